@@ -1,0 +1,1 @@
+"""speculant: a speculative-decoding microkernel."""

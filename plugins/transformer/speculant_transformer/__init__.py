@@ -1,0 +1,1 @@
+"""llama-family and gemma3 decoder architectures."""
