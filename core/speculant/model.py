@@ -1,0 +1,88 @@
+"""What the engine needs from a model, a backend and a model's state (typing Protocols).
+
+A Model is built by an architecture plugin from a GGUF file and a Backend; its forward is
+device-free code that calls the backend for the heavy kernels. A Context is the model's state
+for many sequences: a KVCache for transformers, or a recurrent state that can only be saved and
+restored (``state_kind == "recurrent"``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from speculant.types import Batch, ForwardOutput
+
+
+@attrs.frozen
+class ModelInfo:
+    path: str
+    architecture: str
+    n_vocab: int
+    n_embd: int
+    n_layers: int
+    n_ctx_train: int
+    file_bytes: int = 0
+
+
+@runtime_checkable
+class Context(Protocol):
+    state_kind: str  # "kv": truncatable; "recurrent": needs save/restore
+
+    def length(self, seq_id: int) -> int: ...
+    def truncate(self, seq_id: int, n: int) -> None: ...
+    def drop(self, seq_id: int) -> None: ...
+
+
+@runtime_checkable
+class RecurrentContext(Context, Protocol):
+    def save(self, seq_id: int) -> Any: ...
+    def restore(self, seq_id: int, handle: Any) -> None: ...
+
+
+@runtime_checkable
+class Model(Protocol):
+    info: ModelInfo
+    tokenizer: Any  # speculant.gguf.tokenizer.Tokenizer
+
+    def new_context(self, max_tokens: int) -> Context: ...
+
+    def forward(self, batch: Batch, context: Context, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run the rows of `batch` (any number of sequences) through the model, appending them to
+        `context`. Returns float32 logits for rows with want_logits, in row order, and the
+        hidden states (output of each requested layer) of all rows."""
+        ...
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Kernels for one device. Weights arrive as GGUF TensorInfo and are turned into the device's
+    own packed form. Every kernel must be batch-invariant: a row's result may not depend on the
+    other rows computed with it (the engine's bit-exactness rests on it)."""
+
+    name: str
+    device: torch.device
+    kv_dtype: torch.dtype
+
+    def linear(self, weight: Any, bias: Any | None = None) -> Linear:
+        """x [rows, in] float32 -> [rows, out] float32."""
+        ...
+
+    def embedding(self, weight: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """token ids [rows] -> [rows, n_embd] float32."""
+        ...
+
+    def tensor(self, weight: Any) -> torch.Tensor:
+        """A small tensor (norm weights) as dense float32 on the device."""
+        ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  scale: float, window: int = 0) -> torch.Tensor:
+        """One sequence's rows. q [rows, n_head, head_dim] at absolute `positions`; k, v
+        [n_kv_heads, n_cached, head_dim] hold the whole sequence so far. A row at position p
+        attends to keys 0..p (only the last `window` of them if window > 0). -> [rows, n_head, v_dim]."""
+        ...

@@ -1,0 +1,98 @@
+"""The objects passed between the engine, models, backends and speculators (attrs, frozen where they can be)."""
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class Batch:
+    """Rows of (sequence id, position, token) from any number of sequences.
+
+    `want_logits[i]` says whether row i's logits are returned; `ForwardOutput.logits` holds
+    those rows in order. Rows of one sequence are contiguous and in increasing position.
+    """
+
+    seq_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    tokens: tuple[int, ...]
+    want_logits: tuple[bool, ...]
+
+    def __attrs_post_init__(self):
+        n = len(self.tokens)
+        if not (len(self.seq_ids) == len(self.positions) == len(self.want_logits) == n):
+            raise ValueError("Batch fields must have one entry per row")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def for_sequence(cls, seq_id: int, start: int, tokens: Seq[int], logits: str = "last") -> "Batch":
+        """Rows for one sequence starting at position `start`; logits for 'last', 'all' or 'none' rows."""
+        n = len(tokens)
+        want = tuple((logits == "all") or (logits == "last" and i == n - 1) for i in range(n))
+        return cls((seq_id,) * n, tuple(range(start, start + n)), tuple(tokens), want)
+
+    @classmethod
+    def concat(cls, batches: Seq["Batch"]) -> "Batch":
+        return cls(
+            tuple(s for b in batches for s in b.seq_ids),
+            tuple(p for b in batches for p in b.positions),
+            tuple(t for b in batches for t in b.tokens),
+            tuple(w for b in batches for w in b.want_logits),
+        )
+
+    def groups(self) -> list[tuple[int, int, int]]:
+        """(seq_id, first row, end row) for each run of rows of one sequence."""
+        out, start = [], 0
+        for i in range(1, len(self) + 1):
+            if i == len(self) or self.seq_ids[i] != self.seq_ids[start]:
+                out.append((self.seq_ids[start], start, i))
+                start = i
+        return out
+
+
+@attrs.frozen
+class ForwardOutput:
+    """logits: float32 [rows wanting logits, n_vocab]; hidden: layer index -> [all rows, n_embd]."""
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Draft:
+    """Tokens a speculator proposes. `probs` [len(tokens), n_vocab] (the draft distribution each
+    token was sampled from) enables rejection sampling; without it the engine uses sample-and-match."""
+
+    tokens: tuple[int, ...]
+    spec_type: str = ""
+    probs: torch.Tensor | None = attrs.field(default=None, eq=False)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@attrs.frozen
+class DraftLimits:
+    """What the engine allows for one proposal: at most n_max tokens (already capped by the
+    context and the remaining token budget); drafts shorter than n_min are not worth verifying."""
+
+    n_max: int
+    n_min: int = 0
+    p_min: float = 0.0
+
+
+@attrs.frozen
+class SequenceView:
+    """What a speculator sees of a sequence: its id, full token history (prompt + generated),
+    and how many of those tokens were the prompt. The history is a read-only tuple."""
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    n_prompt: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)

@@ -1,0 +1,108 @@
+"""The CPU kernels: packed linear layers, quantized embedding lookup, batch-invariant attention."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from speculant.gguf.quants import dequantize, dequantize_rows, unpack_q4_groups
+
+INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
+GROUP = 32
+# Rows per sequence up to which attention runs one query row at a time. Per-row attention sees
+# exactly keys 0..p for the row at position p whatever else is in the batch, so its result is
+# bit-identical between plain decoding (1 row) and verification (k rows). Longer runs are prompt
+# prefills, which are the same in both modes, and take one batched call.
+PER_ROW_ATTENTION_MAX = 64
+
+
+def _raw_tensor(info) -> torch.Tensor:
+    """A private copy of the raw bytes, so nothing keeps the file's memory map alive."""
+    return torch.from_numpy(np.array(info.data, copy=True))
+
+
+class Int4Linear:
+    """y = x @ W.T (+ b) with W stored as torch int4 pack, group 32, bf16 scale and zero."""
+
+    def __init__(self, info, bias):
+        q, scale, offset = unpack_q4_groups(info.data, info.qtype, info.shape)
+        # GGUF: w = q*scale + offset; torch's format: w = (q - 8)*scale + zero.
+        zero = offset + 8 * scale
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.bias = bias
+        self.out_features = info.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero).float()
+        return y if self.bias is None else y + self.bias
+
+
+class DenseLinear:
+    """y = x @ W.T (+ b) with W dequantized once to bf16 (bf16 GEMM is batch-invariant here; fp32 is not)."""
+
+    def __init__(self, info, bias):
+        self.weight = dequantize(info.data, info.qtype, info.shape).to(torch.bfloat16)
+        self.bias = bias
+        self.out_features = info.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).float()
+        return y if self.bias is None else y + self.bias
+
+
+class QuantEmbedding:
+    """Token embedding lookup that keeps the table in its GGUF encoding and dequantizes only the rows used."""
+
+    def __init__(self, info):
+        self.raw = _raw_tensor(info)
+        self.qtype, self.shape = info.qtype, info.shape
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.raw, self.qtype, self.shape, ids)
+
+
+class CpuBackend:
+    name = "cpu"
+    device = torch.device("cpu")
+    kv_dtype = torch.float32
+
+    def __init__(self, threads: int | None = None):
+        threads = threads or int(os.environ.get("SPECULANT_THREADS", "0")) or os.cpu_count() or 1
+        torch.set_num_threads(threads)
+
+    def linear(self, weight, bias=None):
+        b = None if bias is None else self.tensor(bias)
+        rows, cols = weight.shape
+        if weight.qtype in INT4_TYPES and cols % GROUP == 0 and rows % 8 == 0:
+            return Int4Linear(weight, b)
+        return DenseLinear(weight, b)
+
+    def embedding(self, weight):
+        return QuantEmbedding(weight)
+
+    def tensor(self, weight) -> torch.Tensor:
+        return dequantize(weight.data, weight.qtype, weight.shape)
+
+    def attention(self, q, k, v, positions, scale, window=0):
+        n_rows, n_head, head_dim = q.shape
+        n_kv = k.shape[0]
+        group = n_head // n_kv
+        if n_rows <= PER_ROW_ATTENTION_MAX:
+            out = []
+            for i, p in enumerate(positions.tolist()):
+                lo = max(0, p + 1 - window) if window else 0
+                qi = q[i].view(n_kv, group, head_dim)  # the heads sharing a kv head are its query rows
+                out.append(F.scaled_dot_product_attention(qi, k[:, lo : p + 1], v[:, lo : p + 1], scale=scale))
+            return torch.stack(out).view(n_rows, n_head, -1)
+        key_pos = torch.arange(k.shape[1])
+        mask = key_pos[None, :] <= positions[:, None]
+        if window:
+            mask &= key_pos[None, :] > positions[:, None] - window
+        qg = q.view(n_rows, n_kv, group, head_dim).permute(1, 0, 2, 3).reshape(n_kv, n_rows * group, head_dim)
+        mask = mask.repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return o.view(n_kv, n_rows, group, -1).permute(1, 0, 2, 3).reshape(n_rows, n_head, -1)

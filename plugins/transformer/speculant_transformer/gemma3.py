@@ -1,0 +1,143 @@
+"""Gemma 3: interleaved sliding-window and global attention layers.
+
+Differences from the llama family, as llama.cpp runs it: embeddings scaled by sqrt(n_embd);
+per-head q/k RMSNorm; norms after attention and after the FFN as well as before (the GGUF norm
+weights already include Gemma's +1); a GELU(tanh)-gated FFN; every 6th layer attends globally with
+rope base `rope.freq_base`, the others over a window of `attention.sliding_window` tokens with
+rope base 10000; queries scaled by 1/sqrt(head_dim); the output head is the tied embedding.
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from speculant import Batch, ForwardOutput, KVCache
+from speculant.gguf.tokenizer import Tokenizer
+
+from speculant_transformer.layers import apply_rope, attend, commit, reserve, rms_norm, rope_tables
+from speculant_transformer.loading import WeightLoader, model_info, require
+
+SWA_PATTERN = 6  # layers i with (i + 1) % 6 != 0 use the sliding window
+SWA_ROPE_BASE = 10000.0
+
+
+@attrs.frozen
+class Gemma3Config:
+    n_vocab: int
+    n_embd: int
+    n_layers: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_ff: int
+    rope_base: float
+    rope_scale: float  # linear scaling of global layers' positions (larger Gemma 3 models)
+    eps: float
+    window: int
+
+    @classmethod
+    def from_gguf(cls, gguf, n_vocab: int) -> "Gemma3Config":
+        n_embd, n_head = int(require(gguf, "embedding_length")), int(require(gguf, "attention.head_count"))
+        scaling = gguf.arch_key("rope.scaling.type")
+        return cls(
+            n_vocab=n_vocab, n_embd=n_embd, n_layers=int(require(gguf, "block_count")), n_head=n_head,
+            n_kv_head=int(gguf.arch_key("attention.head_count_kv", n_head)),
+            head_dim=int(gguf.arch_key("attention.key_length", n_embd // n_head)),
+            n_ff=int(require(gguf, "feed_forward_length")),
+            rope_base=float(gguf.arch_key("rope.freq_base", 1_000_000.0)),
+            rope_scale=float(gguf.arch_key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+            eps=float(gguf.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            window=int(gguf.arch_key("attention.sliding_window", 0)),
+        )
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.window > 0 and (layer + 1) % SWA_PATTERN != 0
+
+
+@attrs.define
+class Gemma3Block:
+    attn_norm: torch.Tensor
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    post_attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    w_gate: object
+    w_up: object
+    w_down: object
+    post_ffn_norm: torch.Tensor
+
+
+class Gemma3Model:
+    state_kind = "kv"
+
+    def __init__(self, config, info, tokenizer, backend, embed, blocks, out_norm, output):
+        self.config, self.info, self.tokenizer, self.backend = config, info, tokenizer, backend
+        self.embed, self.blocks, self.out_norm, self.output = embed, blocks, out_norm, output
+
+    @classmethod
+    def load(cls, gguf, backend, progress=None) -> "Gemma3Model":
+        tokenizer = Tokenizer.from_metadata(gguf.metadata, gguf.path)
+        cfg = Gemma3Config.from_gguf(gguf, n_vocab=gguf.tensor("token_embd.weight").shape[0])
+        w = WeightLoader(gguf, backend, progress)
+        blocks = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            blocks.append(Gemma3Block(
+                attn_norm=w.tensor(p + "attn_norm.weight"),
+                wq=w.linear(p + "attn_q.weight"), wk=w.linear(p + "attn_k.weight"),
+                wv=w.linear(p + "attn_v.weight"), wo=w.linear(p + "attn_output.weight"),
+                q_norm=w.tensor(p + "attn_q_norm.weight"), k_norm=w.tensor(p + "attn_k_norm.weight"),
+                post_attn_norm=w.tensor(p + "post_attention_norm.weight"),
+                ffn_norm=w.tensor(p + "ffn_norm.weight"),
+                w_gate=w.linear(p + "ffn_gate.weight"), w_up=w.linear(p + "ffn_up.weight"),
+                w_down=w.linear(p + "ffn_down.weight"),
+                post_ffn_norm=w.tensor(p + "post_ffw_norm.weight"),
+            ))
+        output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
+        return cls(cfg, model_info(gguf, cfg.n_vocab, cfg.n_embd, cfg.n_layers), tokenizer, backend,
+                   w.embedding("token_embd.weight"), blocks, w.tensor("output_norm.weight"), output)
+
+    def new_context(self, max_tokens: int) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_head, c.head_dim, max_tokens, dtype=self.backend.kv_dtype, device=self.backend.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: KVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        c = self.config
+        groups = reserve(batch, cache)
+        positions = torch.tensor(batch.positions)
+        rope_global = rope_tables(positions, c.head_dim, c.rope_base, c.rope_scale)
+        rope_local = rope_tables(positions, c.head_dim, SWA_ROPE_BASE)
+        rows = len(batch)
+        hidden = {}
+
+        x = self.embed(torch.tensor(batch.tokens)) * (c.n_embd**0.5)  # [rows, n_embd]
+        for i, blk in enumerate(self.blocks):
+            sliding = c.is_sliding(i)
+            cos, sin = rope_local if sliding else rope_global
+            h = rms_norm(x, blk.attn_norm, c.eps)
+            q = rms_norm(blk.wq(h).view(rows, c.n_head, c.head_dim), blk.q_norm, c.eps)
+            k = rms_norm(blk.wk(h).view(rows, c.n_kv_head, c.head_dim), blk.k_norm, c.eps)
+            v = blk.wv(h).view(rows, c.n_kv_head, c.head_dim)
+            q, k = apply_rope(q, cos, sin, neox=True), apply_rope(k, cos, sin, neox=True)
+            attn = attend(self.backend, cache, i, groups, positions, q, k, v, c.head_dim**-0.5,
+                          window=c.window if sliding else 0)
+            x = x + rms_norm(blk.wo(attn.reshape(rows, c.n_head * c.head_dim)), blk.post_attn_norm, c.eps)
+
+            h = rms_norm(x, blk.ffn_norm, c.eps)
+            h = blk.w_down(F.gelu(blk.w_gate(h), approximate="tanh") * blk.w_up(h))
+            x = x + rms_norm(h, blk.post_ffn_norm, c.eps)
+            if i in hidden_layers:
+                hidden[i] = x
+        commit(batch, groups, cache)
+
+        want = [i for i, w in enumerate(batch.want_logits) if w]
+        x_out = rms_norm(x[want], self.out_norm, c.eps)
+        if c.n_layers in hidden_layers:
+            hidden[c.n_layers] = rms_norm(x, self.out_norm, c.eps)
+        return ForwardOutput(self.output(x_out), hidden)

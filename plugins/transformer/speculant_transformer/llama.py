@@ -1,0 +1,133 @@
+"""The llama family: llama, qwen2 (q/k/v biases) and qwen3 (per-head q/k RMSNorm).
+
+Pre-norm decoder blocks: x += Wo·attn(rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x)); x += Wd·(silu(Wg·n(x)) * Wu·n(x)).
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from speculant import Batch, ForwardOutput, KVCache
+from speculant.gguf.tokenizer import Tokenizer
+
+from speculant_transformer.layers import apply_rope, attend, commit, reserve, rms_norm, rope_tables
+from speculant_transformer.loading import WeightLoader, model_info, require
+
+
+@attrs.frozen
+class LlamaConfig:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layers: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_ff: int
+    rope_base: float
+    rope_scale: float
+    eps: float
+    neox: bool  # qwen2/qwen3 rotate halves; llama rotates adjacent pairs
+
+    @classmethod
+    def from_gguf(cls, gguf, n_vocab: int) -> "LlamaConfig":
+        n_embd, n_head = int(require(gguf, "embedding_length")), int(require(gguf, "attention.head_count"))
+        scaling = gguf.arch_key("rope.scaling.type")
+        return cls(
+            arch=gguf.architecture, n_vocab=n_vocab, n_embd=n_embd, n_layers=int(require(gguf, "block_count")),
+            n_head=n_head, n_kv_head=int(gguf.arch_key("attention.head_count_kv", n_head)),
+            head_dim=int(gguf.arch_key("attention.key_length", n_embd // n_head)),
+            n_ff=int(require(gguf, "feed_forward_length")),
+            rope_base=float(gguf.arch_key("rope.freq_base", 10000.0)),
+            rope_scale=float(gguf.arch_key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+            eps=float(gguf.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+            neox=gguf.architecture != "llama",
+        )
+
+
+@attrs.define
+class LlamaBlock:
+    attn_norm: torch.Tensor
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    ffn_norm: torch.Tensor
+    w_gate: object
+    w_up: object
+    w_down: object
+
+
+class LlamaModel:
+    state_kind = "kv"
+
+    def __init__(self, config: LlamaConfig, info, tokenizer, backend, embed, blocks, out_norm, output):
+        self.config, self.info, self.tokenizer, self.backend = config, info, tokenizer, backend
+        self.embed, self.blocks, self.out_norm, self.output = embed, blocks, out_norm, output
+
+    @classmethod
+    def load(cls, gguf, backend, progress=None) -> "LlamaModel":
+        tokenizer = Tokenizer.from_metadata(gguf.metadata, gguf.path)
+        embd = gguf.tensor("token_embd.weight")
+        cfg = LlamaConfig.from_gguf(gguf, n_vocab=embd.shape[0])
+        w = WeightLoader(gguf, backend, progress)
+        blocks = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            blocks.append(LlamaBlock(
+                attn_norm=w.tensor(p + "attn_norm.weight"),
+                wq=w.linear(p + "attn_q.weight", p + "attn_q.bias"),
+                wk=w.linear(p + "attn_k.weight", p + "attn_k.bias"),
+                wv=w.linear(p + "attn_v.weight", p + "attn_v.bias"),
+                wo=w.linear(p + "attn_output.weight"),
+                q_norm=w.tensor(p + "attn_q_norm.weight") if w.has(p + "attn_q_norm.weight") else None,
+                k_norm=w.tensor(p + "attn_k_norm.weight") if w.has(p + "attn_k_norm.weight") else None,
+                ffn_norm=w.tensor(p + "ffn_norm.weight"),
+                w_gate=w.linear(p + "ffn_gate.weight"),
+                w_up=w.linear(p + "ffn_up.weight"),
+                w_down=w.linear(p + "ffn_down.weight"),
+            ))
+        # Tied embeddings: the output projection reuses token_embd when output.weight is absent.
+        output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
+        return cls(cfg, model_info(gguf, cfg.n_vocab, cfg.n_embd, cfg.n_layers), tokenizer, backend,
+                   w.embedding("token_embd.weight"), blocks, w.tensor("output_norm.weight"), output)
+
+    def new_context(self, max_tokens: int) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_head, c.head_dim, max_tokens, dtype=self.backend.kv_dtype, device=self.backend.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: KVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        c = self.config
+        groups = reserve(batch, cache)
+        positions = torch.tensor(batch.positions)
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_base, c.rope_scale)
+        rows = len(batch)
+        hidden = {}
+
+        x = self.embed(torch.tensor(batch.tokens))  # [rows, n_embd]
+        for i, blk in enumerate(self.blocks):
+            h = rms_norm(x, blk.attn_norm, c.eps)
+            q = blk.wq(h).view(rows, c.n_head, c.head_dim)
+            k = blk.wk(h).view(rows, c.n_kv_head, c.head_dim)
+            v = blk.wv(h).view(rows, c.n_kv_head, c.head_dim)
+            if blk.q_norm is not None:
+                q, k = rms_norm(q, blk.q_norm, c.eps), rms_norm(k, blk.k_norm, c.eps)
+            q, k = apply_rope(q, cos, sin, c.neox), apply_rope(k, cos, sin, c.neox)
+            attn = attend(self.backend, cache, i, groups, positions, q, k, v, c.head_dim**-0.5)
+            x = x + blk.wo(attn.reshape(rows, c.n_head * c.head_dim))
+
+            h = rms_norm(x, blk.ffn_norm, c.eps)
+            x = x + blk.w_down(F.silu(blk.w_gate(h)) * blk.w_up(h))
+            if i in hidden_layers:
+                hidden[i] = x
+        commit(batch, groups, cache)
+
+        want = [i for i, w in enumerate(batch.want_logits) if w]
+        x_out = rms_norm(x[want], self.out_norm, c.eps)
+        if c.n_layers in hidden_layers:
+            hidden[c.n_layers] = rms_norm(x, self.out_norm, c.eps)
+        return ForwardOutput(self.output(x_out), hidden)
