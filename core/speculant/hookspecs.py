@@ -53,8 +53,8 @@ class SpeculatorSpec:
 
     @hookspec(firstresult=True)
     def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
-        """Draft at most ``limits.n_max`` tokens to follow ``seq.tokens``. Return None (or an
-        empty draft) to let the next speculator in the chain try."""
+        """Draft at most ``limits.n_max`` tokens to follow ``seq.tokens``. Return None when there
+        is nothing to propose, so the next speculator in the chain is asked."""
 
     @hookspec
     def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict[int, Any]) -> None:

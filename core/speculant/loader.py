@@ -1,0 +1,35 @@
+"""Load a model: open the GGUF file, pick the architecture plugin and the backend, show progress."""
+from __future__ import annotations
+
+import os
+import sys
+
+from tqdm import tqdm
+
+from speculant.errors import ModelFileError
+from speculant.gguf.file import open_gguf
+from speculant.gguf.quants import SUPPORTED_TYPES
+from speculant.model import Model
+from speculant.plugins import Registry, default_registry
+
+
+def load_model(path: str, backend: str = "cpu", registry: Registry | None = None, progress: bool = True) -> Model:
+    registry = registry or default_registry()
+    gguf = open_gguf(path)
+    arch = gguf.architecture
+    if not arch:
+        raise ModelFileError(f"{path}: metadata 'general.architecture' is missing")
+    if ("architecture", arch) not in registry.entries:
+        known = ", ".join(registry.names("architecture")) or "none installed"
+        raise ModelFileError(f"{path}: architecture '{arch}' is not supported (supported: {known})")
+    for t in gguf.tensors.values():
+        if t.qtype not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+            raise ModelFileError(f"{path}: tensor '{t.name}' has type {t.qtype.name}, which is not supported (supported: {supported})")
+    builder = registry.get("architecture", arch)
+    device = registry.get("backend", backend)()
+    total = sum(t.data.nbytes for t in gguf.tensors.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}",
+              disable=not progress, file=sys.stderr, leave=False) as bar:
+        model = builder(gguf, device, bar.update)
+    return model
