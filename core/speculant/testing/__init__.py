@@ -1,0 +1,1 @@
+"""Test helpers: tiny synthetic GGUF models (see tiny_gguf)."""
