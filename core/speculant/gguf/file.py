@@ -4,6 +4,7 @@ Everything that can go wrong with a file on disk becomes one ModelFileError nami
 """
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -25,6 +26,7 @@ class TensorInfo:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray = attrs.field(eq=False, repr=False)
+    offset: int = 0  # byte offset of the data in the file
 
     @property
     def n_elements(self) -> int:
@@ -36,6 +38,18 @@ class GGUFFile:
     path: str
     metadata: dict[str, Any] = attrs.field(repr=False)
     tensors: dict[str, TensorInfo] = attrs.field(repr=False)
+    mapping: mmap.mmap | None = attrs.field(default=None, repr=False, eq=False)
+
+    def release(self, info: TensorInfo) -> None:
+        """Tell the OS we are done with a tensor's pages (the backend made its own copy), so
+        loading a model does not hold the whole file resident on top of the converted weights."""
+        if self.mapping is None:
+            return
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page  # whole pages inside the tensor only
+        end = (info.offset + info.data.nbytes) // page * page
+        if end > start:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     @property
     def architecture(self) -> str:
@@ -78,6 +92,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on short files
         raise ModelFileError(f"{path}: cannot read GGUF header ({type(e).__name__}: {e}); the file may be truncated") from None
     metadata = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    # Our own read-only mapping for tensor data (gguf-py's is dropped with the reader), so pages
+    # can be released tensor by tensor while a model loads.
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     tensors: dict[str, TensorInfo] = {}
     for t in reader.tensors:
         try:
@@ -89,7 +107,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         expected = int(np.prod(shape)) // block * type_size
         if t.data.nbytes != expected:
             raise ModelFileError(f"{path}: tensor '{t.name}' holds {t.data.nbytes} bytes, expected {expected}; the file is truncated")
-        tensors[t.name] = TensorInfo(t.name, qtype, shape, t.data)
-    if os.path.getsize(path) < max((t.data_offset + t.n_bytes for t in reader.tensors), default=0):
-        raise ModelFileError(f"{path}: file is truncated")
-    return GGUFFile(path, metadata, tensors)
+        if int(t.data_offset) + expected > len(mapping):
+            raise ModelFileError(f"{path}: tensor '{t.name}' ends past the end of the file; the file is truncated")
+        data = np.frombuffer(mapping, dtype=np.uint8, count=expected, offset=int(t.data_offset))
+        tensors[t.name] = TensorInfo(t.name, qtype, shape, data, int(t.data_offset))
+    return GGUFFile(path, metadata, tensors, mapping)

@@ -286,14 +286,23 @@ def _check(raw, qtype: Q, shape: tuple[int, ...]) -> tuple[torch.Tensor, int, in
 
 def _run(kernel, blocks: torch.Tensor, out_blocks: torch.Tensor, block: int) -> None:
     step = max(1, CHUNK_ELEMENTS // block)
+    # Kernels compute in float32; a narrower output gets each chunk rounded into it, so a
+    # bf16 weight never needs a full-size float32 copy.
+    tmp = None if out_blocks.dtype == torch.float32 else torch.empty(min(step, blocks.shape[0]), block)
     for i in range(0, blocks.shape[0], step):
-        kernel(blocks[i:i + step], out_blocks[i:i + step])
+        if tmp is None:
+            kernel(blocks[i:i + step], out_blocks[i:i + step])
+        else:
+            n = min(step, blocks.shape[0] - i)
+            kernel(blocks[i:i + n], tmp[:n])
+            out_blocks[i:i + n] = tmp[:n]
 
 
-def dequantize(raw, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
-    """The whole tensor as float32 of `shape` (PyTorch order, last dim fastest); always a new tensor."""
+def dequantize(raw, qtype: Q, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole tensor as `dtype` (float32 by default, exact) of `shape` (PyTorch order, last dim
+    fastest); always a new tensor. Other dtypes are rounded from float32 chunk by chunk."""
     data, block, type_size, _, _ = _check(raw, qtype, shape)
-    out = torch.empty(tuple(shape), dtype=torch.float32)
+    out = torch.empty(tuple(shape), dtype=dtype)
     _run(_KERNELS[Q(qtype)], data.view(-1, type_size), out.view(-1, block), block)
     return out
 

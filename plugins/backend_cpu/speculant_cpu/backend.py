@@ -45,7 +45,7 @@ class DenseLinear:
     """y = x @ W.T (+ b) with W dequantized once to bf16 (bf16 GEMM is batch-invariant here; fp32 is not)."""
 
     def __init__(self, info, bias):
-        self.weight = dequantize(info.data, info.qtype, info.shape).to(torch.bfloat16)
+        self.weight = dequantize(info.data, info.qtype, info.shape, dtype=torch.bfloat16)
         self.bias = bias
         self.out_features = info.shape[0]
 

@@ -20,19 +20,24 @@ class WeightLoader:
             self.progress(info.data.nbytes)
         return info
 
+    def _convert(self, convert, info):
+        out = convert(info)
+        self.gguf.release(info)
+        return out
+
     def linear(self, name: str, bias: str | None = None):
         weight = self._get(name)
         b = self._get(bias, optional=True) if bias else None
-        return self.backend.linear(weight, b)
+        return self._convert(lambda w: self.backend.linear(w, b), weight)
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
     def tensor(self, name: str):
-        return self.backend.tensor(self._get(name))
+        return self._convert(self.backend.tensor, self._get(name))
 
     def embedding(self, name: str):
-        return self.backend.embedding(self._get(name))
+        return self._convert(self.backend.embedding, self._get(name))
 
 
 def require(gguf, key: str):
