@@ -109,6 +109,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
             raise ModelFileError(f"{path}: tensor '{t.name}' holds {t.data.nbytes} bytes, expected {expected}; the file is truncated")
         if int(t.data_offset) + expected > len(mapping):
             raise ModelFileError(f"{path}: tensor '{t.name}' ends past the end of the file; the file is truncated")
-        data = np.frombuffer(mapping, dtype=np.uint8, count=expected, offset=int(t.data_offset))
+        # Same dtype and shape as gguf-py gives (typed arrays for float types, rows of bytes otherwise).
+        data = np.frombuffer(mapping, dtype=t.data.dtype, count=t.data.size, offset=int(t.data_offset)).reshape(t.data.shape)
         tensors[t.name] = TensorInfo(t.name, qtype, shape, data, int(t.data_offset))
     return GGUFFile(path, metadata, tensors, mapping)
