@@ -136,8 +136,9 @@ class Gemma3Model:
                 hidden[i] = x
         commit(batch, groups, cache)
 
-        want = [i for i, w in enumerate(batch.want_logits) if w]
-        x_out = rms_norm(x[want], self.out_norm, c.eps)
         if c.n_layers in hidden_layers:
             hidden[c.n_layers] = rms_norm(x, self.out_norm, c.eps)
-        return ForwardOutput(self.output(x_out), hidden)
+        want = [i for i, w in enumerate(batch.want_logits) if w]
+        if not want:  # a prompt chunk: skip the output head
+            return ForwardOutput(x.new_empty(0, c.n_vocab), hidden)
+        return ForwardOutput(self.output(rms_norm(x[want], self.out_norm, c.eps)), hidden)
