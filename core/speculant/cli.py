@@ -2,57 +2,107 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 
-from speculant.errors import SpeculantError
+from speculant.errors import ModelFileError, SpeculantError
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+# --- flags -------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the usage block is for --help, not for every typo."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _int(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high]."""
+    expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+    return parse
+
+
+def _float(expected: str, ok):
+    """An argparse type: a finite float for which ok(value) holds; `expected` describes the range."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+    return parse
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=40, help="top-k filter, 0 = off (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="top-p filter, 1 = off (default 0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="min-p filter, 0 = off (default 0.05)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--temp", type=_float("a number >= 0", lambda v: v >= 0), default=0.0,
+                   help="temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=_int(0), default=40, help="top-k filter, 0 = off (default 40)")
+    p.add_argument("--top-p", type=_float("a number in (0, 1]", lambda v: 0 < v <= 1), default=0.95,
+                   help="top-p filter, 1 = off (default 0.95)")
+    p.add_argument("--min-p", type=_float("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.05,
+                   help="min-p filter, 0 = off (default 0.05)")
+    p.add_argument("--seed", type=_int(0, 2**64 - 1), default=None, help="random seed (default: random)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="target model, a .gguf file")
-    p.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=_int(2), default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--device", default="cpu", help="backend plugin (default cpu)")
+    p.add_argument("-t", "--threads", type=_int(1), default=None,
+                   help="CPU threads (default: $SPECULANT_THREADS, else all cores)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="speculant", description="Speculative-decoding inference engine for GGUF models.")
+    parser = _Parser(prog="speculant", description="Speculative-decoding inference engine for GGUF models.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
     add_model_args(g)
     g.add_argument("-p", "--prompt", required=True, help="prompt text")
-    g.add_argument("-n", "--n-predict", type=_positive_int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("-n", "--n-predict", type=_int(1), default=128,
+                   help="tokens to generate, at most what the context has left (default 128)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     add_sampling_args(g)
     return parser
 
 
+# --- commands ----------------------------------------------------------------------------------
+def load(args):
+    """The model named by -m, with a progress bar on a terminal; OS errors name the file."""
+    from speculant.loader import load_model
+
+    try:
+        model = load_model(args.model, backend=args.device, progress=sys.stderr.isatty())
+    except OSError as e:  # permission denied, I/O error, ... while reading the file
+        raise ModelFileError(f"{args.model}: cannot read the file: {e.strerror or e}") from None
+    if args.threads:  # after loading: the CPU backend sets its thread count when it is created
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return model
+
+
 def cmd_generate(args) -> int:
     from speculant.engine import Engine, EngineConfig
     from speculant.gguf.tokenizer import StreamDecoder
-    from speculant.loader import load_model
     from speculant.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    model = load_model(args.model, backend=args.device)
+    model = load(args)
     load_s = time.perf_counter() - t0
+
     tok = model.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -61,27 +111,33 @@ def cmd_generate(args) -> int:
         prompt = tok.encode(args.prompt, add_special=True, parse_special=False)
     engine = Engine(model, EngineConfig(n_ctx=args.ctx_size))
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
-    n_predict = min(args.n_predict, args.ctx_size - len(prompt))
+    # add() rejects a prompt that leaves no room in the context, before anything is printed.
+    seq = engine.add(prompt, min(args.n_predict, args.ctx_size - len(prompt)), params)
 
-    stream = StreamDecoder(tok)
-    if not args.chat:
+    stream = StreamDecoder(tok, skip_special=True)  # control tokens print as nothing, as in llama-cli
+    if not args.chat:  # a raw prompt is the start of the text; a chat prompt is not shown
         sys.stdout.write(args.prompt)
+        sys.stdout.flush()
     t_start = time.perf_counter()
     t_first = None
     n = 0
-    for token in engine.generate(prompt, max(1, n_predict), params):
-        t_first = t_first or time.perf_counter()
-        n += 1
-        if token not in engine.eog:
-            sys.stdout.write(stream.push(token))
-            sys.stdout.flush()
+    while seq.finish_reason is None:
+        for token in engine.step()[seq.seq_id]:
+            t_first = t_first or time.perf_counter()
+            n += 1
+            if token not in engine.eog:
+                sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+    engine.release(seq)
     sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
     t_end = time.perf_counter()
+
     # The first token comes out of the prompt's forward pass, so prompt speed is measured to it.
     prompt_s = (t_first or t_end) - t_start
     decode_s = t_end - t_first if t_first else 0.0
     decode_rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
-    print(f"\nload {load_s:.2f} s | prompt {len(prompt)} tok, {len(prompt) / max(prompt_s, 1e-9):.1f} tok/s"
+    print(f"load {load_s:.2f} s | prompt {len(prompt)} tok, {len(prompt) / max(prompt_s, 1e-9):.1f} tok/s"
           f" | decode {n} tok, {decode_rate:.2f} tok/s", file=sys.stderr)
     return 0
 
@@ -90,13 +146,18 @@ COMMANDS = {"generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad flag (2, already reported in one line)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return COMMANDS[args.command](args)
     except SpeculantError as e:
         print(f"speculant: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`speculant generate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail
+        return 141
     except KeyboardInterrupt:
         print("\nspeculant: interrupted", file=sys.stderr)
         return 130
