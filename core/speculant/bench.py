@@ -17,7 +17,6 @@ from tqdm import tqdm
 
 from speculant.engine import Engine, EngineConfig
 from speculant.errors import SpeculantError
-from speculant.loader import load_model
 
 
 def load_workloads(path: str) -> list[dict]:
@@ -67,10 +66,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def cmd_bench(args) -> int:
+def run_bench(args, load) -> int:
+    """`load(args)` loads the model (the CLI's loader, with its error handling)."""
     workloads = [w for path in args.workloads for w in load_workloads(path)]
     t0 = time.perf_counter()
-    model = load_model(args.model, backend=args.device)
+    model = load(args)
     load_s = time.perf_counter() - t0
     rss_after_load = peak_rss_bytes()
     results = []

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate, at most what the context has left (default 128)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     add_sampling_args(g)
+
+    b = sub.add_parser("bench", help="load time, peak memory and decode speed on workload files")
+    add_model_args(b)
+    b.add_argument("--workloads", nargs="+", required=True, help="workload JSON files (messages are chat-templated)")
+    b.add_argument("-n", "--n-predict", type=_int(1), default=None, help="tokens per workload (default: its max_tokens)")
+    b.add_argument("--repeats", type=_int(1), default=1, help="runs per workload; medians are reported (default 1)")
+    b.add_argument("--json", default=None, help="also write the results to this JSON file")
     return parser
 
 
@@ -142,7 +149,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate}
+def cmd_bench(args) -> int:
+    from speculant.bench import run_bench
+
+    return run_bench(args, load)
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
