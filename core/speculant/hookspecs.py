@@ -45,6 +45,15 @@ class DiscoverySpec:
         :class:`speculant.Model`."""
 
 
+    @hookspec
+    def speculant_add_options(self, parser: Any) -> None:
+        """Add command-line flags (an ``argparse`` parser or group), as pytest_addoption does.
+
+        Name them after llama.cpp's where the meaning is the same, e.g.
+        ``--spec-ngram-simple-size-n``. Parsed values reach speculators as
+        ``config.options[dest]`` (``dest`` as argparse derives it: ``spec_ngram_simple_size_n``)."""
+
+
 class SpeculatorSpec:
     @hookspec
     def begin(self, seq: SequenceView) -> None:
