@@ -125,7 +125,7 @@ def test_chain_order_and_fallthrough():
     engine = Engine(ToyModel(), EngineConfig(n_ctx=64), [empty, a, b])
     seq = engine.add(PROMPT, 5)
     engine._prefill(seq)
-    draft = engine._propose(seq)
+    draft, _ = engine._propose(seq)
     assert draft.spec_type == "a" and empty.asked == 1 and b.asked == 0
 
 

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import attrs
 import torch
 
+from speculant.adaptive import DraftLengthController
 from speculant.chain import SpeculatorChain
 from speculant.errors import LimitError
 from speculant.model import Model
@@ -30,6 +31,7 @@ class EngineConfig:
     draft_n_max: int = 16
     draft_n_min: int = 0
     draft_p_min: float = 0.0
+    adaptive: bool = True  # trim or skip drafts that would not pay for their verification
 
     def __attrs_post_init__(self):
         if self.n_ctx < 2:
@@ -37,16 +39,57 @@ class EngineConfig:
 
 
 @attrs.define
+class SpecTypeStats:
+    """Totals for one spec type over everything the engine ran."""
+
+    drafts: int = 0  # verified drafts
+    drafted: int = 0  # tokens in them
+    accepted: int = 0
+    accepted_at: list[int] = attrs.field(factory=list)  # accepted_at[i]: drafts whose token i was accepted
+    declined: int = 0  # drafts the adaptive controller did not verify
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification step, the target's own token included."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
+
+    def add(self, draft_len: int, n_accepted: int) -> None:
+        self.drafts += 1
+        self.drafted += draft_len
+        self.accepted += n_accepted
+        self.accepted_at.extend([0] * (draft_len - len(self.accepted_at)))
+        for i in range(n_accepted):
+            self.accepted_at[i] += 1
+
+
+@attrs.define
 class SeqStats:
     n_prompt: int = 0
     n_generated: int = 0
-    n_drafts: int = 0
-    n_drafted: int = 0
-    n_accepted: int = 0
-    accepted_at: list[int] = attrs.field(factory=list)  # accepted_at[i]: drafts whose token i was accepted
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0
+    n_declined: int = 0  # drafts the adaptive controller chose not to verify
+    last_accepted: int = 0
+    drafts: SpecTypeStats = attrs.field(factory=SpecTypeStats)  # this sequence's drafts, all spec types
+
+    @property
+    def n_drafts(self) -> int:
+        return self.drafts.drafts
+
+    @property
+    def n_drafted(self) -> int:
+        return self.drafts.drafted
+
+    @property
+    def n_accepted(self) -> int:
+        return self.drafts.accepted
 
 
 @attrs.define
@@ -75,6 +118,8 @@ class Engine:
         self.context = model.new_context(config.n_ctx)
         self.recurrent = getattr(self.context, "state_kind", "kv") == "recurrent"
         self.chain = SpeculatorChain(list(speculators))
+        self.controller = DraftLengthController(enabled=config.adaptive)
+        self.spec_stats: dict[str, SpecTypeStats] = {}
         self.eog = frozenset(getattr(model.tokenizer, "eog_ids", ()) or ())
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -109,7 +154,8 @@ class Engine:
         for seq in seqs:
             if seq.n_cached == 0:  # a new prompt; replayed rows of a recurrent state ride with the step
                 self._prefill(seq)
-        drafts = {seq.seq_id: self._propose(seq) for seq in seqs}
+        proposals = {seq.seq_id: self._propose(seq) for seq in seqs}
+        drafts = {sid: d for sid, (d, _) in proposals.items()}
 
         parts = []
         for seq in seqs:
@@ -124,9 +170,11 @@ class Engine:
                 seq.saved = self.context.save(seq.seq_id)
                 self.chain.checkpoint(seq.view(), "save")
             parts.append(b)
+        batch = Batch.concat(parts)
         t0 = time.perf_counter()
-        out = self.model.forward(Batch.concat(parts), self.context, self.chain.hidden_layers)
+        out = self.model.forward(batch, self.context, self.chain.hidden_layers)
         dt = time.perf_counter() - t0
+        self.controller.observe_forward(len(batch), dt)
 
         new: dict[int, list[int]] = {}
         row = 0
@@ -140,6 +188,13 @@ class Engine:
             hidden_row += len(b)
             new[seq.seq_id] = self._verify(seq, draft, logits, hidden, len(b))
             seq.stats.decode_seconds += dt / len(seqs)
+            if draft is not None:
+                n_acc = seq.stats.last_accepted
+                st = self.spec_stats.setdefault(draft.spec_type, SpecTypeStats())
+                st.add(len(draft), n_acc)
+                st.draft_seconds += proposals[seq.seq_id][1]
+                st.verify_seconds += dt / len(seqs)
+                self.controller.observe_draft(draft.spec_type, len(draft), n_acc, proposals[seq.seq_id][1])
         return new
 
     def _prefill(self, seq: Sequence) -> None:
@@ -153,17 +208,26 @@ class Engine:
             seq.n_cached += n
         seq.stats.prompt_seconds += time.perf_counter() - t0
 
-    def _propose(self, seq: Sequence) -> Draft | None:
+    def _propose(self, seq: Sequence) -> tuple[Draft | None, float]:
+        """The chain's draft for the sequence, trimmed to what pays off, and the time it took."""
         if not self.chain:
-            return None
+            return None, 0.0
         room = min(self.config.n_ctx - len(seq.tokens) - 1, seq.max_new_tokens - seq.n_generated - 1)
         limits = DraftLimits(min(self.config.draft_n_max, room), self.config.draft_n_min, self.config.draft_p_min)
         t0 = time.perf_counter()
         draft = self.chain.propose(seq.view(), limits)
-        seq.stats.draft_seconds += time.perf_counter() - t0
-        if draft is not None and len(draft) < max(1, limits.n_min):
-            return None
-        return draft
+        seconds = time.perf_counter() - t0
+        seq.stats.draft_seconds += seconds
+        if draft is None or len(draft) < max(1, limits.n_min):
+            return None, seconds
+        keep = self.controller.best_length(draft.spec_type, len(draft))
+        if keep == 0:
+            self.spec_stats.setdefault(draft.spec_type, SpecTypeStats()).declined += 1
+            seq.stats.n_declined += 1
+            return None, seconds
+        if keep < len(draft):
+            draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
+        return draft, seconds
 
     def _verify(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor, hidden: dict, n_rows: int) -> list[int]:
         n_before = len(seq.tokens)
@@ -176,14 +240,9 @@ class Engine:
 
         fed_end = seq.n_cached + n_rows  # the state now holds tokens up to here (pending + draft rows)
         kept_end = n_before + n_accepted  # ... of which these are right; the last emitted token is pending
+        seq.stats.last_accepted = n_accepted
         if draft is not None:
-            s = seq.stats
-            s.n_drafts += 1
-            s.n_drafted += len(draft)
-            s.n_accepted += n_accepted
-            s.accepted_at.extend([0] * (len(draft) - len(s.accepted_at)))
-            for i in range(n_accepted):
-                s.accepted_at[i] += 1
+            seq.stats.drafts.add(len(draft), n_accepted)
         if self.recurrent and draft is not None and kept_end < fed_end:
             # Recurrent state cannot be cut: go back to before the draft; the kept tokens are
             # fed again as the first rows of the next step.
