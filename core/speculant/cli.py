@@ -57,6 +57,36 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_int(0, 2**64 - 1), default=None, help="random seed (default: random)")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculation flags, named like llama.cpp's; plugins add their own through speculant_add_options."""
+    from speculant.plugins import default_registry
+
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec-type", default=None, help="comma list of speculators, tried in this order (default: none); "
+                   "bench compares several lists separated by ';'")
+    g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
+                   help="draft model .gguf for model-based speculators")
+    g.add_argument("--spec-draft-n-max", type=_int(0, 64), default=16,
+                   help="most tokens verified per step, for every spec type (default 16, at most 64)")
+    g.add_argument("--spec-draft-n-min", type=_int(0, 64), default=0, help="drop drafts shorter than this (default 0)")
+    g.add_argument("--spec-draft-p-min", type=_float("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.0,
+                   help="model drafters stop below this confidence (default 0)")
+    g.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
+                   help="verify every draft in full instead of the length the cost model picks")
+    default_registry().pm.hook.speculant_add_options(parser=g)
+
+
+def engine_setup(args, model):
+    """EngineConfig and speculators from the flags (one place for generate, bench and serve)."""
+    from speculant.engine import EngineConfig
+    from speculant.speculator import build_speculators, parse_spec_types
+
+    config = EngineConfig(n_ctx=args.ctx_size, draft_n_max=args.spec_draft_n_max, draft_n_min=args.spec_draft_n_min,
+                          draft_p_min=args.spec_draft_p_min, adaptive=args.spec_adaptive)
+    names = parse_spec_types(args.spec_type)
+    return config, build_speculators(names, vars(args), target=model, draft_model=args.spec_draft_model, backend=args.device)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="target model, a .gguf file")
     p.add_argument("-c", "--ctx-size", type=_int(2), default=4096, help="context size in tokens (default 4096)")
@@ -75,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate, at most what the context has left (default 128)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     add_sampling_args(g)
+    add_spec_args(g)
 
     b = sub.add_parser("bench", help="load time, peak memory and decode speed on workload files")
     add_model_args(b)
@@ -82,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", "--n-predict", type=_int(1), default=None, help="tokens per workload (default: its max_tokens)")
     b.add_argument("--repeats", type=_int(1), default=1, help="runs per workload; medians are reported (default 1)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_spec_args(b)
     return parser
 
 
@@ -102,7 +134,7 @@ def load(args):
 
 
 def cmd_generate(args) -> int:
-    from speculant.engine import Engine, EngineConfig
+    from speculant.engine import Engine
     from speculant.gguf.tokenizer import StreamDecoder
     from speculant.sampling import SamplingParams
 
@@ -116,7 +148,7 @@ def cmd_generate(args) -> int:
         prompt = tok.encode(text, add_special=True, parse_special=True)
     else:
         prompt = tok.encode(args.prompt, add_special=True, parse_special=False)
-    engine = Engine(model, EngineConfig(n_ctx=args.ctx_size))
+    engine = Engine(model, *engine_setup(args, model))
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
     # add() rejects a prompt that leaves no room in the context, before anything is printed.
     seq = engine.add(prompt, min(args.n_predict, args.ctx_size - len(prompt)), params)
@@ -144,8 +176,12 @@ def cmd_generate(args) -> int:
     prompt_s = (t_first or t_end) - t_start
     decode_s = t_end - t_first if t_first else 0.0
     decode_rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+    spec = ""
+    if engine.chain:
+        d = seq.stats.drafts
+        spec = f" | drafted {d.drafted}, accepted {d.accepted} ({100 * d.acceptance_rate:.0f}%), declined {seq.stats.n_declined}"
     print(f"load {load_s:.2f} s | prompt {len(prompt)} tok, {len(prompt) / max(prompt_s, 1e-9):.1f} tok/s"
-          f" | decode {n} tok, {decode_rate:.2f} tok/s", file=sys.stderr)
+          f" | decode {n} tok, {decode_rate:.2f} tok/s{spec}", file=sys.stderr)
     return 0
 
 

@@ -16,7 +16,7 @@ GROUP = 32
 # exactly keys 0..p for the row at position p whatever else is in the batch, so its result is
 # bit-identical between plain decoding (1 row) and verification (k rows). Longer runs are prompt
 # prefills, which are the same in both modes, and take one batched call.
-PER_ROW_ATTENTION_MAX = 64
+PER_ROW_ATTENTION_MAX = 128
 
 
 def _raw_tensor(info) -> torch.Tensor:
