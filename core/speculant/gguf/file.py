@@ -1,16 +1,19 @@
 """Open a GGUF file: memory-mapped tensors plus metadata as plain Python values.
 
+The header is parsed here (`open_gguf`, and `read_gguf_metadata` for the metadata alone).
+
 Everything that can go wrong with a file on disk becomes one ModelFileError naming the file.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import struct
 from typing import Any
 
 import attrs
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from speculant.errors import ModelFileError
@@ -66,50 +69,268 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: tensor '{name}' is missing") from None
 
 
-def _field_value(field) -> Any:
-    kind = field.types[0] if field.types else None
-    if kind == GGUFValueType.ARRAY:
-        item = field.types[-1]
-        if item == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    return field.parts[field.data[0]].tolist()[0]
+# ---------------------------------------------------------------------------------------------------
+# GGUF header parsing (our own: gguf-py's GGUFReader builds a numpy view per vocabulary string and
+# needs 6-10 s on a real model; this reads the same header in ~0.1 s).
+#
+#   magic "GGUF" | version u32 | n_tensors u64 | n_kv u64
+#   n_kv x      key (string) | value type u32 | value
+#   n_tensors x name (string) | n_dims u32 | dims u64 x n_dims (fastest first) | type u32 | offset u64
+#   padding up to general.alignment (default 32), then the data section; offsets are relative to it.
+#
+# A string is a u64 length and that many UTF-8 bytes; an array is an item type u32, a count u64
+# and the items.  Everything is little-endian (big-endian files are refused).
+# ---------------------------------------------------------------------------------------------------
+GGUF_DEFAULT_ALIGNMENT = 32
+GGML_MAX_DIMS = 4  # llama.cpp refuses tensors with more dimensions
+
+_T_STRING, _T_ARRAY, _T_UINT32, _T_BOOL = 8, 9, 4, 7
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_SIZES = {t: struct.calcsize(f) for t, f in _SCALARS.items()}
+_NP_ITEMS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+# Tensor types gguf-py hands out as typed arrays shaped like the tensor; all others are uint8
+# [rows..., bytes per row].  (BF16 is among the others: gguf-py gives its raw bytes.)
+_TYPED = {
+    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
 
 
-def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    path = os.fspath(path)
+class _Truncated(Exception):
+    """A read ran past the end of the file (raised inside the parser, turned into ModelFileError)."""
+
+
+class _Malformed(Exception):
+    """A value the format does not allow (raised inside the parser, turned into ModelFileError)."""
+
+
+@attrs.frozen
+class _RawTensor:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: fastest dimension first
+    type_id: int
+    offset: int  # relative to the data section
+
+
+@attrs.frozen
+class _Header:
+    version: int
+    metadata: dict[str, Any]
+    tensors: list[_RawTensor]
+    data_start: int  # absolute file offset of the data section (may lie past the end of a cut file)
+
+
+def _map_file(path: str) -> mmap.mmap:
+    """Read-only mapping of the whole file, after the checks that need no GGUF parsing."""
     if not os.path.exists(path):
         raise ModelFileError(f"{path}: no such file")
     if os.path.isdir(path):
         raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ModelFileError(f"{path}: not a GGUF file (bad magic bytes)")
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on short files
-        raise ModelFileError(f"{path}: cannot read GGUF header ({type(e).__name__}: {e}); the file may be truncated") from None
-    metadata = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    # Our own read-only mapping for tensor data (gguf-py's is dropped with the reader), so pages
-    # can be released tensor by tensor while a model loads.
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    tensors: dict[str, TensorInfo] = {}
-    for t in reader.tensors:
-        try:
-            qtype = GGMLQuantizationType(t.tensor_type)
-        except ValueError:
-            raise ModelFileError(f"{path}: tensor '{t.name}' has unknown tensor type {int(t.tensor_type)}") from None
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the fastest dim first
+        with open(path, "rb") as f:
+            head = f.read(4)
+            if head != GGUF_MAGIC[:len(head)] or not head:
+                raise ModelFileError(f"{path}: not a GGUF file (bad magic bytes)")
+            if len(head) < 4:
+                raise ModelFileError(f"{path}: truncated GGUF header (the file is only {len(head)} bytes long)")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from None
+
+
+def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: bool = True) -> _Header:
+    """Parse magic, version, metadata (keys starting with one of `prefixes`, all if empty) and,
+    with `with_tensors`, the tensor infos.  `buf` is the mapped file.  Raises ModelFileError."""
+    size = len(buf)
+    where = "the file header"
+    try:
+        if buf[:4] != GGUF_MAGIC:
+            raise ModelFileError(f"{path}: not a GGUF file (bad magic bytes)")
+        if size < 8:
+            raise _Truncated
+        (version,) = struct.unpack_from("<I", buf, 4)
+        if version & 0xFFFF == 0 and version != 0:
+            raise ModelFileError(f"{path}: big-endian GGUF files are not supported")
+        if version not in (2, 3):
+            raise ModelFileError(f"{path}: unsupported GGUF version {version} (versions 2 and 3 are supported)")
+        if size < 24:
+            raise _Truncated
+        n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+        pos = 24
+        unpack_from = struct.unpack_from
+
+        def read_str(p: int) -> tuple[str, int]:
+            (ln,) = unpack_from("<Q", buf, p)
+            p += 8
+            if p + ln > size:
+                raise _Truncated
+            return buf[p:p + ln].decode("utf-8", errors="replace"), p + ln
+
+        def read_array(p: int, want: bool, out: list) -> int:
+            """Append the items of the array at `p` to `out` (nested arrays flattened, as gguf-py
+            does); returns the position after it."""
+            itype, count = unpack_from("<IQ", buf, p)
+            p += 12
+            if itype == _T_STRING:
+                append = out.append
+                for _ in range(count):
+                    (ln,) = unpack_from("<Q", buf, p)
+                    p += 8
+                    if want:
+                        append(buf[p:p + ln].decode("utf-8", errors="replace"))
+                    p += ln
+                if p > size:
+                    raise _Truncated
+            elif itype in _NP_ITEMS:
+                nbytes = _SCALAR_SIZES[itype] * count
+                if p + nbytes > size:
+                    raise _Truncated
+                if want:
+                    arr = np.frombuffer(buf[p:p + nbytes], dtype=_NP_ITEMS[itype], count=count)
+                    out.extend(arr.astype(bool).tolist() if itype == _T_BOOL else arr.tolist())
+                p += nbytes
+            elif itype == _T_ARRAY:
+                for _ in range(count):
+                    p = read_array(p, want, out)
+            else:
+                raise _Malformed(f"{where} is an array of unknown value type {itype}")
+            return p
+
+        metadata: dict[str, Any] = {}
+        alignment_entry = None  # (value type, value) of general.alignment
+        for i in range(n_kv):
+            where = f"metadata entry {i}"
+            key, pos = read_str(pos)
+            where = f"metadata key '{key}'"
+            (vtype,) = unpack_from("<I", buf, pos)
+            pos += 4
+            want = not prefixes or key.startswith(prefixes)
+            if vtype == _T_STRING:
+                val, pos = read_str(pos)
+            elif vtype == _T_ARRAY:
+                val = []
+                pos = read_array(pos, want, val)
+            elif vtype in _SCALARS:
+                (val,) = unpack_from(_SCALARS[vtype], buf, pos)
+                pos += _SCALAR_SIZES[vtype]
+            else:
+                raise _Malformed(f"{where} has an unknown value type {vtype}")
+            if key == "general.alignment":
+                alignment_entry = (vtype, val)
+            if want:
+                if key in metadata:
+                    raise _Malformed(f"metadata key '{key}' appears twice")
+                metadata[key] = val
+        if not with_tensors:
+            return _Header(version, metadata, [], 0)
+
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        if alignment_entry is not None:
+            vtype, alignment = alignment_entry
+            if vtype != _T_UINT32 or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+                raise _Malformed(f"general.alignment must be a power of two stored as uint32, got {alignment!r}")
+
+        tensors: list[_RawTensor] = []
+        seen: set[str] = set()
+        for i in range(n_tensors):
+            where = f"tensor info {i}"
+            (ln,) = unpack_from("<Q", buf, pos)
+            pos += 8
+            if pos + ln > size:
+                raise _Truncated
+            try:
+                name = buf[pos:pos + ln].decode("utf-8")
+            except UnicodeDecodeError:
+                raise _Malformed(f"{where} has a name that is not UTF-8") from None
+            pos += ln
+            where = f"tensor info '{name}'"
+            if name in seen:
+                raise _Malformed(f"tensor '{name}' appears twice")
+            seen.add(name)
+            (n_dims,) = unpack_from("<I", buf, pos)
+            pos += 4
+            if n_dims > GGML_MAX_DIMS:
+                raise _Malformed(f"tensor '{name}' has {n_dims} dimensions (at most {GGML_MAX_DIMS} are allowed)")
+            dims = unpack_from(f"<{n_dims}Q", buf, pos)
+            pos += 8 * n_dims
+            type_id, offset = unpack_from("<IQ", buf, pos)
+            pos += 12
+            tensors.append(_RawTensor(name, dims, type_id, offset))
+        data_start = -(-pos // alignment) * alignment
+        return _Header(version, metadata, tensors, data_start)
+    except (_Truncated, struct.error):
+        raise ModelFileError(
+            f"{path}: truncated GGUF header (the file is {size} bytes long and ends inside {where})") from None
+    except _Malformed as e:
+        raise ModelFileError(f"{path}: malformed GGUF header: {e}") from None
+
+
+def read_gguf_metadata(path: str | os.PathLike, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, Any]:
+    """Metadata key -> plain Python value for keys starting with one of `prefixes` (all keys if empty),
+    reading only the key/value section (no tensors), e.g. for a tokenizer.
+
+    Values have the same form as `open_gguf(path).metadata`: lists for arrays, str, int, float, bool."""
+    path = os.fspath(path)
+    buf = _map_file(path)
+    try:
+        return _parse_header(path, buf, tuple(prefixes), with_tensors=False).metadata
+    finally:
+        buf.close()
+
+
+@attrs.frozen
+class _Layout:
+    """Where one tensor's data lies and how it is viewed: `count` items of `dtype` shaped `view_shape`."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    dtype: Any
+    count: int
+    view_shape: tuple[int, ...]
+    offset: int
+
+
+def _layout(path: str, file_size: int, start: int, raw: _RawTensor) -> _Layout:
+    try:
+        qtype = GGMLQuantizationType(raw.type_id)
         block, type_size = GGML_QUANT_SIZES[qtype]
-        expected = int(np.prod(shape)) // block * type_size
-        if t.data.nbytes != expected:
-            raise ModelFileError(f"{path}: tensor '{t.name}' holds {t.data.nbytes} bytes, expected {expected}; the file is truncated")
-        if int(t.data_offset) + expected > len(mapping):
-            raise ModelFileError(f"{path}: tensor '{t.name}' ends past the end of the file; the file is truncated")
-        # Same dtype and shape as gguf-py gives (typed arrays for float types, rows of bytes otherwise).
-        data = np.frombuffer(mapping, dtype=t.data.dtype, count=t.data.size, offset=int(t.data_offset)).reshape(t.data.shape)
-        tensors[t.name] = TensorInfo(t.name, qtype, shape, data, int(t.data_offset))
-    return GGUFFile(path, metadata, tensors, mapping)
+    except (ValueError, KeyError):
+        raise ModelFileError(f"{path}: tensor '{raw.name}' has unknown tensor type {raw.type_id}") from None
+    shape = tuple(reversed(raw.dims))  # PyTorch order: slowest dimension first
+    offset = start + raw.offset
+    dtype = _TYPED.get(qtype)
+    if dtype is not None:
+        view_shape = shape
+    else:
+        dtype = np.uint8
+        if not shape or shape[-1] % block:
+            raise ModelFileError(f"{path}: malformed GGUF header: tensor '{raw.name}' of type {qtype.name} has "
+                                 f"shape {list(shape)}, whose rows are not a whole number of {block}-element blocks")
+        view_shape = (*shape[:-1], shape[-1] // block * type_size)
+    count = math.prod(view_shape)
+    end = offset + count * np.dtype(dtype).itemsize
+    if end > file_size:
+        raise ModelFileError(f"{path}: truncated tensor data (tensor '{raw.name}' ends at byte {end} "
+                             f"but the file is {file_size} bytes long)")
+    return _Layout(raw.name, qtype, shape, dtype, count, view_shape, offset)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse a GGUF file's header and map its tensors (read-only views, nothing is copied)."""
+    path = os.fspath(path)
+    mapping = _map_file(path)
+    try:
+        header = _parse_header(path, mapping)
+        layouts = [_layout(path, len(mapping), header.data_start, raw) for raw in header.tensors]
+    except BaseException:
+        mapping.close()  # no views exist yet, so this cannot fail
+        raise
+    tensors = {}
+    for t in layouts:
+        # Same dtype and shape as gguf-py gives (typed arrays for float/int types, rows of bytes otherwise).
+        data = np.frombuffer(mapping, dtype=t.dtype, count=t.count, offset=t.offset).reshape(t.view_shape)
+        tensors[t.name] = TensorInfo(t.name, t.qtype, t.shape, data, t.offset)
+    return GGUFFile(path, header.metadata, tensors, mapping)

@@ -19,13 +19,12 @@ found by token text, and detokenization follows llama_token_to_piece / llama_det
 from __future__ import annotations
 
 import heapq
-import mmap
 import os
 import re
-import struct
 from typing import Any, Iterable, Sequence
 
 from speculant.errors import ModelFileError
+from speculant.gguf.file import read_gguf_metadata  # re-exported: the metadata-only reader lives with the GGUF parser
 
 # GGUF token types (tokenizer.ggml.token_type), as llama.cpp's llama_token_type.
 TOKEN_TYPE_UNDEFINED = 0
@@ -749,87 +748,3 @@ def _complete_prefix_len(data: bytes) -> int:
             return n  # ASCII: nothing pending
         return n - back if back < need and b < 0xF8 else n
     return n
-
-
-# ---------------------------------------------------------------------------------------------------
-# A small GGUF metadata reader: only the key/value section, no tensors. It needs ~0.2 s for a 262k-token
-# vocabulary where gguf-py's GGUFReader builds a numpy view per string.
-# ---------------------------------------------------------------------------------------------------
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
-
-
-def read_gguf_metadata(path: str, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, Any]:
-    """Metadata key -> plain Python value for keys starting with one of `prefixes` (all keys if empty).
-
-    Values have the same form as `open_gguf(path).metadata`: lists for arrays, str, int, float, bool."""
-    import numpy as np
-
-    if not os.path.exists(path):
-        raise ModelFileError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise ModelFileError(f"{path}: is a directory, expected a .gguf file")
-    try:
-        with open(path, "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: cannot read the file ({e})") from None
-    try:
-        if buf[:4] != b"GGUF":
-            raise ModelFileError(f"{path}: not a GGUF file (bad magic bytes)")
-        version = struct.unpack_from("<I", buf, 4)[0]
-        if version not in (2, 3):
-            raise ModelFileError(f"{path}: unsupported GGUF version {version}")
-        n_kv = struct.unpack_from("<Q", buf, 16)[0]
-        pos = 24
-        out: dict[str, Any] = {}
-        unpack_from = struct.unpack_from
-
-        def read_str(p: int) -> tuple[str, int]:
-            (ln,) = unpack_from("<Q", buf, p)
-            p += 8
-            return bytes(buf[p:p + ln]).decode("utf-8", errors="replace"), p + ln
-
-        for _ in range(n_kv):
-            key, pos = read_str(pos)
-            (vtype,) = unpack_from("<I", buf, pos)
-            pos += 4
-            want = not prefixes or key.startswith(prefixes)
-            if vtype == 8:
-                val, pos = read_str(pos)
-            elif vtype == 9:
-                (itype,) = unpack_from("<I", buf, pos)
-                (count,) = unpack_from("<Q", buf, pos + 4)
-                pos += 12
-                if itype == 8:
-                    items = []
-                    append = items.append
-                    for _ in range(count):
-                        (ln,) = unpack_from("<Q", buf, pos)
-                        pos += 8
-                        if want:
-                            append(buf[pos:pos + ln].decode("utf-8", errors="replace"))
-                        pos += ln
-                    val = items
-                elif itype in _GGUF_NP:
-                    dt = np.dtype(_GGUF_NP[itype])
-                    size = dt.itemsize * count
-                    if want:
-                        arr = np.frombuffer(buf[pos:pos + size], dtype=dt, count=count)
-                        val = arr.astype(bool).tolist() if itype == 7 else arr.tolist()
-                    pos += size
-                else:
-                    raise ModelFileError(f"{path}: metadata key '{key}' has an unsupported array type {itype}")
-            elif vtype in _GGUF_SCALARS:
-                fmt = _GGUF_SCALARS[vtype]
-                (val,) = unpack_from(fmt, buf, pos)
-                pos += struct.calcsize(fmt)
-            else:
-                raise ModelFileError(f"{path}: metadata key '{key}' has an unknown value type {vtype}")
-            if want:
-                out[key] = val
-        return out
-    except (struct.error, ValueError, IndexError) as e:
-        raise ModelFileError(f"{path}: cannot read GGUF metadata ({type(e).__name__}: {e}); the file may be truncated") from None
-    finally:
-        buf.close()
