@@ -27,24 +27,36 @@ class SpeculatorChain:
         # Hidden states any speculator asked for (MTP, EAGLE3, DFlash), requested from the target.
         self.hidden_layers = tuple(sorted({l for s in self.speculators for l in getattr(s, "hidden_layers", ())}))
         self.hook_seconds = 0.0  # time spent inside hook dispatch and speculators, for the overhead check
+        self._subsets: dict[frozenset, Any] = {}  # propose callers over part of the chain, by spec types kept
 
     def __bool__(self) -> bool:
         return bool(self.speculators)
 
-    def _call(self, name: str, **kwargs):
+    def _call(self, name: str, caller=None, **kwargs):
         t = time.perf_counter()
         try:
-            return getattr(self.hook, name)(**kwargs)
+            return (caller or getattr(self.hook, name))(**kwargs)
         finally:
             self.hook_seconds += time.perf_counter() - t
+
+    def _propose_caller(self, only: tuple[str, ...]):
+        """`propose` over the chain's speculators whose spec type is in `only` (still in chain order)."""
+        key = frozenset(only)
+        caller = self._subsets.get(key)
+        if caller is None:
+            drop = [s for s in self.speculators if getattr(s, "spec_type", None) not in key]
+            caller = self._subsets[key] = self.pm.subset_hook_caller("propose", drop)
+        return caller
 
     def begin(self, seq: SequenceView) -> None:
         self._call("begin", seq=seq)
 
-    def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
+    def propose(self, seq: SequenceView, limits: DraftLimits, only: tuple[str, ...] | None = None) -> Draft | None:
+        """The first draft of the chain (of its spec types in `only`, when given)."""
         if limits.n_max <= 0:
             return None
-        draft = self._call("propose", seq=seq, limits=limits)
+        caller = None if only is None else self._propose_caller(only)
+        draft = self._call("propose", caller, seq=seq, limits=limits)
         if draft is None or len(draft) == 0:
             return None
         if len(draft) > limits.n_max:  # a speculator may not exceed the limit; trim rather than overrun the context

@@ -38,6 +38,21 @@ class EngineConfig:
             raise LimitError(f"context size {self.n_ctx} is too small")
 
 
+@attrs.frozen
+class SpecOverride:
+    """Per-sequence speculation settings (a server request's ``speculative.*`` fields); None keeps
+    the engine's. ``types``: the only spec types of the chain that may draft for the sequence, in
+    the chain's order (``()``: no speculation)."""
+
+    n_max: int | None = None
+    n_min: int | None = None
+    p_min: float | None = None
+    types: tuple[str, ...] | None = None
+
+
+_NO_OVERRIDE = SpecOverride()
+
+
 @attrs.define
 class SpecTypeStats:
     """Totals for one spec type over everything the engine ran."""
@@ -103,6 +118,8 @@ class Sequence:
     finish_reason: str | None = None
     stats: SeqStats = attrs.field(factory=SeqStats)
     saved: Any = None  # recurrent-state checkpoint taken before verifying a draft
+    spec: SpecOverride | None = None
+    spec_error: str | None = None  # a speculator raised for this sequence: it goes on without speculation
 
     @property
     def n_generated(self) -> int:
@@ -125,24 +142,39 @@ class Engine:
         self._next_id = 0
 
     # --- sequences ---------------------------------------------------------------------
-    def add(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams()) -> Sequence:
+    def add(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
+            spec: SpecOverride | None = None) -> Sequence:
         if not prompt:
             raise LimitError("the prompt is empty")
         if len(prompt) >= self.config.n_ctx:
             raise LimitError(f"prompt has {len(prompt)} tokens, the context holds {self.config.n_ctx} (prompt plus at least one new token)")
         if max_new_tokens < 1:
             raise LimitError(f"max new tokens must be >= 1, got {max_new_tokens}")
-        seq = Sequence(self._next_id, list(prompt), len(prompt), max_new_tokens, Sampler(params))
+        seq = Sequence(self._next_id, list(prompt), len(prompt), max_new_tokens, Sampler(params), spec=spec)
         seq.stats.n_prompt = len(prompt)
         self._next_id += 1
         self.sequences[seq.seq_id] = seq
-        self.chain.begin(seq.view())
+        self._spec_call(seq, self.chain.begin, seq.view())
         return seq
 
     def release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.seq_id, None)
         self.context.drop(seq.seq_id)
-        self.chain.end(seq.seq_id)
+        try:
+            self.chain.end(seq.seq_id)
+        except Exception as e:  # the sequence is gone either way
+            seq.spec_error = seq.spec_error or f"{type(e).__name__}: {e}"
+
+    def _spec_call(self, seq: Sequence, hook, *args):
+        """A speculator hook for one sequence. A speculator that raises turns speculation off for
+        this sequence only: it goes on with plain decoding, the error is left in seq.spec_error."""
+        if seq.spec_error is not None:
+            return None
+        try:
+            return hook(*args)
+        except Exception as e:
+            seq.spec_error = f"{type(e).__name__}: {e}"
+            return None
 
     def active(self) -> list[Sequence]:
         return [s for s in self.sequences.values() if s.finish_reason is None]
@@ -168,7 +200,7 @@ class Engine:
                 b = attrs.evolve(b, want_logits=tuple(i >= len(pending) - 1 for i in range(len(rows))))
             if draft and self.recurrent:
                 seq.saved = self.context.save(seq.seq_id)
-                self.chain.checkpoint(seq.view(), "save")
+                self._spec_call(seq, self.chain.checkpoint, seq.view(), "save")
             parts.append(b)
         batch = Batch.concat(parts)
         t0 = time.perf_counter()
@@ -210,12 +242,15 @@ class Engine:
 
     def _propose(self, seq: Sequence) -> tuple[Draft | None, float]:
         """The chain's draft for the sequence, trimmed to what pays off, and the time it took."""
-        if not self.chain:
+        o = seq.spec or _NO_OVERRIDE
+        if not self.chain or seq.spec_error is not None or o.types == ():
             return None, 0.0
-        room = min(self.config.n_ctx - len(seq.tokens) - 1, seq.max_new_tokens - seq.n_generated - 1)
-        limits = DraftLimits(min(self.config.draft_n_max, room), self.config.draft_n_min, self.config.draft_p_min)
+        c = self.config
+        room = min(c.n_ctx - len(seq.tokens) - 1, seq.max_new_tokens - seq.n_generated - 1)
+        limits = DraftLimits(min(c.draft_n_max if o.n_max is None else o.n_max, room),
+                             c.draft_n_min if o.n_min is None else o.n_min, c.draft_p_min if o.p_min is None else o.p_min)
         t0 = time.perf_counter()
-        draft = self.chain.propose(seq.view(), limits)
+        draft = self._spec_call(seq, self.chain.propose, seq.view(), limits, o.types)
         seconds = time.perf_counter() - t0
         seq.stats.draft_seconds += seconds
         if draft is None or len(draft) < max(1, limits.n_min):
@@ -247,14 +282,14 @@ class Engine:
             # Recurrent state cannot be cut: go back to before the draft; the kept tokens are
             # fed again as the first rows of the next step.
             self.context.restore(seq.seq_id, seq.saved)
-            self.chain.checkpoint(seq.view(), "restore")
+            self._spec_call(seq, self.chain.checkpoint, seq.view(), "restore")
         else:
             if draft is not None and self.recurrent:
-                self.chain.checkpoint(seq.view(), "discard")
+                self._spec_call(seq, self.chain.checkpoint, seq.view(), "discard")
             self.context.truncate(seq.seq_id, kept_end)
             seq.n_cached = kept_end
         seq.saved = None
-        self.chain.accept(seq.view(), draft, n_accepted, hidden)
+        self._spec_call(seq, self.chain.accept, seq.view(), draft, n_accepted, hidden)
 
         seq.stats.n_generated = seq.n_generated
         if emitted and emitted[-1] in self.eog:
