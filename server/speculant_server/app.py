@@ -1,0 +1,511 @@
+"""The aiohttp application: OpenAI- and llama-server-compatible endpoints over one EngineWorker.
+
+Handlers only parse, tokenize (in the default executor, off the event loop), queue a Job and
+relay its events; all model work happens on the engine thread, so the loop stays free to answer
+/health and other requests during a long generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Any
+
+import attrs
+import structlog
+from aiohttp import web
+
+from speculant.engine import Engine
+from speculant.gguf.chat_template import CHATML_TEMPLATE
+
+from speculant_server import metrics
+from speculant_server.protocol import (ApiError, Defaults, GenRequest, bad, get_bool, get_str, get_tokens, parse_chat,
+                                       parse_completion, parse_json, parse_messages)
+from speculant_server.worker import Done, EngineWorker, Job, QueueFull
+
+log = structlog.get_logger("speculant.server")
+
+PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models"}  # answered without an API key, as llama-server does
+
+
+@attrs.define
+class ServerConfig:
+    n_slots: int = 4
+    queue_size: int = 256
+    api_keys: tuple[str, ...] = ()
+    alias: str | None = None
+    max_body_size: int = 16 * 2**20
+    defaults: Defaults = attrs.field(factory=Defaults)
+    draft_model: str | None = None
+
+
+class ClientGone(Exception):
+    pass
+
+
+class State:
+    def __init__(self, engine: Engine, config: ServerConfig, spec_known: list[str] | None = None):
+        self.engine, self.config = engine, config
+        self.model = engine.model
+        self.tokenizer = engine.model.tokenizer
+        self.n_ctx = engine.config.n_ctx
+        self.worker = EngineWorker(engine, config.n_slots, config.queue_size)
+        self.spec_enabled = list(self.worker.spec_types)
+        if spec_known is None:
+            from speculant.plugins import default_registry
+
+            spec_known = default_registry().names("speculator")
+        self.spec_known = sorted(set(spec_known) | set(self.spec_enabled))
+        info = getattr(self.model, "info", None)
+        self.model_path = getattr(info, "path", "") or ""
+        self.model_name = config.alias or (self.model_path.rsplit("/", 1)[-1] if self.model_path else "speculant")
+        self.registry = metrics.make_registry(self.worker)
+        self.created = int(time.time())
+
+
+STATE = web.AppKey("state", State)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d, ensure_ascii=False))
+
+
+def _error_response(e: ApiError) -> web.Response:
+    return _json(e.body(), e.status)
+
+
+# --- middlewares -------------------------------------------------------------------------------------
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return _error_response(e)
+    except ClientGone:
+        return web.Response(status=499)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
+        if e.status == 404:
+            message = f"no endpoint {request.method} {request.path}"
+        elif e.status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        elif e.status == 413:
+            message = f"the request body is too large: {e.text or e.reason}"
+        return _error_response(ApiError(e.status, message))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.exception("unhandled error", path=request.path)
+        return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    keys = request.app[STATE].config.api_keys
+    if keys and request.path not in PUBLIC_PATHS and request.method != "OPTIONS":
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-Api-Key", "")
+        if not key:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer KEY'")
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in keys):
+            raise ApiError(401, "invalid API key")
+    return await handler(request)
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+async def _blocking(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def read_json(request: web.Request) -> dict:
+    return parse_json(await request.read())  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+
+
+def generation_settings(state: State, params, n_predict: int | None, stops: list[str], stream: bool, spec) -> dict:
+    c = state.engine.config
+    types = state.spec_enabled if spec is None or spec.types is None else list(spec.types)
+    pick = lambda name, default: default if spec is None or getattr(spec, name) is None else getattr(spec, name)
+    return {
+        "n_predict": -1 if n_predict is None else n_predict, "temperature": params.temperature, "top_k": params.top_k,
+        "top_p": params.top_p, "min_p": params.min_p, "seed": -1 if params.seed is None else params.seed,
+        "stop": stops, "stream": stream, "n_ctx": state.n_ctx,
+        "speculative.n_max": pick("n_max", c.draft_n_max), "speculative.n_min": pick("n_min", c.draft_n_min),
+        "speculative.p_min": pick("p_min", c.draft_p_min), "speculative.types": ",".join(types) or "none",
+    }
+
+
+def build_prompt(state: State, req: GenRequest) -> list[int]:
+    tok = state.tokenizer
+    if req.prompt_tokens is not None:
+        return req.prompt_tokens
+    if req.messages is not None:
+        try:
+            text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+        except Exception as e:  # the template rejected the conversation (roles, order, ...)
+            raise bad(f"the chat template could not render the messages: {e}") from None
+        return tok.encode(text, add_special=True, parse_special=True)
+    return tok.encode(req.prompt_text, add_special=True, parse_special=True)
+
+
+# --- response shapes ------------------------------------------------------------------------------------
+class _Format:
+    done_marker = True
+
+    def __init__(self, state: State, req: GenRequest, job_id: str, prompt_text: str | None = None):
+        self.state, self.req, self.model = state, req, state.model_name
+        self.created = int(time.time())
+        self.job_id = job_id
+        self.slot = -1
+
+    @staticmethod
+    def usage(done: Done) -> dict:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+    def start(self) -> list[dict]:
+        return []
+
+
+class ChatFormat(_Format):
+    def _chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
+        return {"id": self.job_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "system_fingerprint": "speculant",
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+
+    def start(self):
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def text(self, text):
+        return [self._chunk({"content": text})]
+
+    def end(self, done: Done):
+        out = [self._chunk({}, done.finish_reason, timings=done.timings)]
+        if self.req.include_usage:
+            out.append({**self._chunk({}), "choices": [], "usage": self.usage(done), "timings": done.timings})
+        return out
+
+    def final(self, text: str, done: Done) -> dict:
+        return {"id": self.job_id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "system_fingerprint": "speculant",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": done.finish_reason}],
+                "usage": self.usage(done), "timings": done.timings}
+
+
+class CompletionsFormat(_Format):
+    def _chunk(self, text: str, finish: str | None = None, **extra) -> dict:
+        return {"id": self.job_id, "object": "text_completion", "created": self.created, "model": self.model,
+                "system_fingerprint": "speculant",
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
+
+    def text(self, text):
+        return [self._chunk(text)]
+
+    def end(self, done: Done):
+        out = [self._chunk("", done.finish_reason, timings=done.timings)]
+        if self.req.include_usage:
+            out.append({**self._chunk(""), "choices": [], "usage": self.usage(done), "timings": done.timings})
+        return out
+
+    def final(self, text: str, done: Done) -> dict:
+        return {**self._chunk(text, done.finish_reason), "usage": self.usage(done), "timings": done.timings}
+
+
+class LlamaFormat(_Format):
+    """llama-server's /completion."""
+
+    done_marker = False
+
+    def __init__(self, state, req, job_id, prompt_text=None):
+        super().__init__(state, req, job_id)
+        self.prompt_text = prompt_text
+
+    def text(self, text):
+        return [{"content": text, "stop": False, "id_slot": self.slot, "index": 0, "tokens": []}]
+
+    def _summary(self, done: Done) -> dict:
+        return {"id_slot": done.slot, "index": 0, "stop": True, "model": self.model,
+                "tokens_predicted": done.completion_tokens, "tokens_evaluated": done.prompt_tokens,
+                "generation_settings": self.settings, "prompt": self.prompt_text or "",
+                "has_new_line": False, "truncated": False, "stop_type": done.stop_type,
+                "stopping_word": done.stopping_word, "tokens_cached": done.prompt_tokens + done.completion_tokens,
+                "timings": done.timings}
+
+    def end(self, done: Done):
+        return [{"content": "", "tokens": [], **self._summary(done)}]
+
+    def final(self, text: str, done: Done) -> dict:
+        return {"content": text, "tokens": [], **self._summary(done), "has_new_line": "\n" in text}
+
+
+# --- generation -------------------------------------------------------------------------------------------
+async def _next_event(request: web.Request, events: asyncio.Queue):
+    """The job's next event; ClientGone when the client hung up meanwhile."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), 0.5)
+        except asyncio.TimeoutError:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ClientGone() from None
+
+
+def _sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def generate(request: web.Request, req: GenRequest, fmt_cls) -> web.StreamResponse:
+    state = request.app[STATE]
+    prompt = await _blocking(build_prompt, state, req)
+    n, n_ctx = len(prompt), state.n_ctx
+    if n == 0:
+        raise bad("the prompt is empty")
+    if n >= n_ctx:
+        raise ApiError(400, f"the prompt has {n} tokens, more than the context holds: {n_ctx} tokens "
+                            f"(the prompt plus at least one new token)", "exceed_context_size_error",
+                       n_prompt_tokens=n, n_ctx=n_ctx)
+    key = "n_predict" if req.endpoint == "completion" else "max_tokens"
+    if req.max_tokens is not None and req.max_tokens >= n_ctx:
+        raise bad(f"'{key}' is {req.max_tokens}, beyond the context size of {n_ctx} tokens "
+                  f"(at most {n_ctx - 1}, less the prompt)", param=key)
+    max_new = n_ctx - n if req.max_tokens is None else min(req.max_tokens, n_ctx - n)
+
+    prefix = {"chat": "chatcmpl-", "completions": "cmpl-", "completion": "cmpl-"}[req.endpoint]
+    job_id = prefix + uuid.uuid4().hex[:24]
+    fmt = fmt_cls(state, req, job_id, req.prompt_text)
+    fmt.settings = generation_settings(state, req.params, req.max_tokens, req.stops, req.stream, req.spec)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            job.cancelled = True
+
+    job = Job(job_id, req.endpoint, prompt, max_new, req.params, req.stops, emit, req.spec)
+    job.settings = fmt.settings
+    try:
+        state.worker.submit(job)
+    except QueueFull as e:
+        raise ApiError(503, f"the server is busy ({e}); try again later") from None
+    try:
+        first = await _next_event(request, events)
+        if first[0] == "error":
+            raise first[1]
+        fmt.slot = first[1]
+        if req.stream:
+            return await _stream(request, fmt, events)
+        return await _collect(request, fmt, events)
+    finally:  # done, failed, or the client went away (ClientGone, ConnectionResetError, CancelledError)
+        if not job.finished:
+            state.worker.cancel(job)
+
+
+async def _collect(request, fmt, events) -> web.Response:
+    parts = []
+    while True:
+        kind, value = await _next_event(request, events)
+        if kind == "text":
+            parts.append(value)
+        elif kind == "done":
+            return _json(fmt.final("".join(parts), value))
+        else:
+            raise value
+
+
+async def _stream(request, fmt, events) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    try:
+        for chunk in fmt.start():
+            await resp.write(_sse(chunk))
+        while True:
+            kind, value = await _next_event(request, events)
+            if kind == "text":
+                for chunk in fmt.text(value):
+                    await resp.write(_sse(chunk))
+            elif kind == "done":
+                for chunk in fmt.end(value):
+                    await resp.write(_sse(chunk))
+                break
+            else:  # headers are gone: the error travels as an event
+                await resp.write(_sse(value.body()))
+                break
+        if fmt.done_marker:
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:
+        raise ClientGone() from None
+    return resp
+
+
+# --- handlers ---------------------------------------------------------------------------------------------
+async def chat_completions(request: web.Request):
+    state = request.app[STATE]
+    body = await read_json(request)
+    req = parse_chat(body, state.config.defaults, state.spec_enabled, state.spec_known)
+    return await generate(request, req, ChatFormat)
+
+
+async def completions(request: web.Request):
+    state = request.app[STATE]
+    body = await read_json(request)
+    req = parse_completion(body, "completions", state.config.defaults, state.spec_enabled, state.spec_known,
+                           state.tokenizer.n_vocab)
+    return await generate(request, req, CompletionsFormat)
+
+
+async def completion(request: web.Request):
+    state = request.app[STATE]
+    body = await read_json(request)
+    req = parse_completion(body, "completion", state.config.defaults, state.spec_enabled, state.spec_known,
+                           state.tokenizer.n_vocab)
+    return await generate(request, req, LlamaFormat)
+
+
+async def tokenize(request: web.Request):
+    state = request.app[STATE]
+    body = await read_json(request)
+    content = body.get("content")
+    if content is None:
+        raise bad("'content' is required", param="content")
+    content = get_str(body, "content")
+    add_special = get_bool(body, "add_special", False)
+    parse_special = get_bool(body, "parse_special", True)
+    with_pieces = get_bool(body, "with_pieces", False)
+    tok = state.tokenizer
+
+    def run():
+        ids = tok.encode(content, add_special=add_special, parse_special=parse_special)
+        if not with_pieces:
+            return {"tokens": ids}
+        out = []
+        for i in ids:
+            piece = tok.token_bytes(i, True)
+            try:
+                out.append({"id": i, "piece": piece.decode("utf-8")})
+            except UnicodeDecodeError:
+                out.append({"id": i, "piece": list(piece)})
+        return {"tokens": out}
+
+    return _json(await _blocking(run))
+
+
+async def detokenize(request: web.Request):
+    state = request.app[STATE]
+    body = await read_json(request)
+    tokens = get_tokens(body.get("tokens", []), "tokens", state.tokenizer.n_vocab)
+    return _json({"content": await _blocking(state.tokenizer.decode, tokens)})
+
+
+async def apply_template(request: web.Request):
+    state = request.app[STATE]
+    body = await read_json(request)
+    messages = parse_messages(body)
+
+    def run():
+        try:
+            return state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:
+            raise bad(f"the chat template could not render the messages: {e}") from None
+
+    return _json({"prompt": await _blocking(run)})
+
+
+async def models(request: web.Request):
+    state = request.app[STATE]
+    info = getattr(state.model, "info", None)
+    meta = {}
+    if info is not None:
+        meta = {"n_vocab": info.n_vocab, "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd,
+                "n_layers": info.n_layers, "size": info.file_bytes, "architecture": info.architecture}
+    return _json({"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                              "owned_by": "speculant", "meta": meta}]})
+
+
+async def health(request: web.Request):
+    state = request.app[STATE]
+    if not state.worker.alive:
+        raise ApiError(503, "the engine thread is not running")
+    return _json({"status": "ok"})
+
+
+async def props(request: web.Request):
+    state = request.app[STATE]
+    d = state.config.defaults
+    tok = state.tokenizer
+    c = state.engine.config
+    return _json({
+        "default_generation_settings": {"id": 0, "n_ctx": state.n_ctx,
+                                        "params": generation_settings(state, d.params, None if d.n_predict < 0 else d.n_predict,
+                                                                      [], False, None)},
+        "total_slots": state.config.n_slots, "model_alias": state.model_name, "model_path": state.model_path,
+        "chat_template": getattr(tok, "chat_template", None) or CHATML_TEMPLATE,
+        "bos_token": tok.bos_text, "eos_token": tok.eos_text, "build_info": "speculant",
+        "modalities": {"vision": False, "audio": False}, "endpoint_slots": True, "endpoint_metrics": True,
+        "speculative": {"types": state.spec_enabled, "available": state.spec_known, "n_max": c.draft_n_max,
+                        "n_min": c.draft_n_min, "p_min": c.draft_p_min, "adaptive": c.adaptive,
+                        "draft_model": state.config.draft_model},
+    })
+
+
+async def slots(request: web.Request):
+    state = request.app[STATE]
+    out = []
+    for i, job in enumerate(list(state.worker.slots)):
+        entry = {"id": i, "n_ctx": state.n_ctx, "speculative": bool(state.spec_enabled), "is_processing": job is not None}
+        if job is not None:
+            entry.update(id_task=job.id, params=getattr(job, "settings", {}), prompt_n=len(job.prompt),
+                         next_token={"has_next_token": True, "n_decoded": job.n_generated,
+                                     "n_remain": job.max_new_tokens - job.n_generated})
+        else:
+            entry["id_task"] = -1
+        out.append(entry)
+    return _json(out)
+
+
+async def metrics_handler(request: web.Request):
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    state = request.app[STATE]
+    return web.Response(body=metrics.render(state.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# --- the app ------------------------------------------------------------------------------------------------
+def create_app(engine: Engine, config: ServerConfig = ServerConfig(), spec_known: list[str] | None = None) -> web.Application:
+    """The application around `engine`; its engine thread starts with the app and stops with it."""
+    app = web.Application(client_max_size=config.max_body_size, middlewares=[errors_middleware, auth_middleware])
+    state = State(engine, config, spec_known)
+    app[STATE] = state
+
+    async def on_startup(app):
+        state.worker.start()
+
+    async def on_cleanup(app):
+        await _blocking(state.worker.stop)
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    r = app.router
+    for path in ("/v1/chat/completions", "/chat/completions"):
+        r.add_post(path, chat_completions)
+    for path in ("/v1/completions", "/completions"):
+        r.add_post(path, completions)
+    r.add_post("/completion", completion)
+    r.add_post("/tokenize", tokenize)
+    r.add_post("/detokenize", detokenize)
+    r.add_post("/apply-template", apply_template)
+    for path in ("/v1/models", "/models"):
+        r.add_get(path, models)
+    for path in ("/health", "/v1/health"):
+        r.add_get(path, health)
+    r.add_get("/props", props)
+    r.add_get("/slots", slots)
+    r.add_get("/metrics", metrics_handler)
+    return app

@@ -1,0 +1,113 @@
+"""`speculant serve`: flags (named like llama-server's) and start-up.
+
+Also runnable as ``python -m speculant_server -m MODEL.gguf ...`` (the same flags).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from speculant.errors import SpeculantError
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from speculant.cli import _int, add_model_args, add_sampling_args, add_spec_args
+
+    add_model_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=_int(0, 65535), default=8080, help="port to listen on (default 8080; 0: any free port)")
+    g.add_argument("-np", "--parallel", type=_int(1, 256), default=4,
+                   help="slots: sequences generated together, their verification batched (default 4)")
+    g.add_argument("--queue-size", type=_int(0), default=256,
+                   help="requests that may wait for a slot; more get 503 (default 256)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (comma list: several keys)")
+    g.add_argument("--alias", default=None, help="model name in responses and /v1/models (default: the file name)")
+    g.add_argument("-n", "--n-predict", type=_int(-1), default=-1,
+                   help="default max tokens per request, -1 = until the end of the context (default -1)")
+    g.add_argument("--max-body-size", type=_int(1), default=16 * 2**20, help="largest request body in bytes (default 16 MiB)")
+    g.add_argument("--log-format", choices=("text", "json"), default="text", help="request log lines (default text)")
+    g.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
+    add_sampling_args(p)
+    add_spec_args(p)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to `speculant`'s subparsers."""
+    p = sub.add_parser("serve", help="OpenAI- and llama-server-compatible HTTP server with speculative decoding")
+    add_serve_args(p)
+    return p
+
+
+def configure_logging(fmt: str = "text") -> None:
+    import structlog
+
+    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.processors.KeyValueRenderer(
+        key_order=["timestamp", "level", "event"], drop_missing=True)
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
+                    structlog.processors.format_exc_info, renderer],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr), cache_logger_on_first_use=True)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # aiohttp's own warnings and errors
+
+
+def cmd_serve(args) -> int:
+    import structlog
+    from aiohttp import web
+
+    from speculant.cli import engine_setup, load
+    from speculant.engine import Engine
+    from speculant.sampling import SamplingParams
+    from speculant.speculator import parse_spec_types
+
+    from speculant_server.app import ServerConfig, create_app
+    from speculant_server.protocol import Defaults
+
+    configure_logging(args.log_format)
+    log = structlog.get_logger("speculant.server")
+    parse_spec_types(args.spec_type)  # an unknown spec type fails before the model loads
+    try:  # a taken port fails before the model loads too
+        with socket.create_server((args.host, args.port)) if args.port else socket.socket():
+            pass
+    except OSError as e:
+        raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+    model = load(args)
+    config, speculators = engine_setup(args, model)
+    engine = Engine(model, config, speculators)
+    keys = tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip())
+    defaults = Defaults(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed), args.n_predict)
+    server_config = ServerConfig(n_slots=args.parallel, queue_size=args.queue_size, api_keys=keys, alias=args.alias,
+                                 max_body_size=args.max_body_size, defaults=defaults, draft_model=args.spec_draft_model)
+    app = create_app(engine, server_config)
+
+    def announce(*_):
+        log.info("listening", url=f"http://{args.host}:{args.port}", model=args.model, n_ctx=config.n_ctx,
+                 slots=args.parallel, spec_types=args.spec_type or "none", api_key=bool(keys))
+
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=announce, handler_cancellation=True,
+                    access_log=None, shutdown_timeout=5)
+    except OSError as e:
+        raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from speculant.cli import _Parser
+
+    parser = _Parser(prog="python -m speculant_server", description="speculant serve")
+    add_serve_args(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return cmd_serve(args)
+    except SpeculantError as e:
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

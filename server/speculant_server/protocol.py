@@ -1,0 +1,286 @@
+"""Request bodies -> validated generation requests; OpenAI-shaped errors.
+
+Every field is checked for its type and range here, so the engine thread only ever sees requests
+it can run. A problem is an ``ApiError``, which the app turns into
+``{"error": {"message", "type", "code"}}`` with the HTTP status (``code`` is the status, as
+llama-server does).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+import attrs
+
+from speculant.engine import SpecOverride
+from speculant.sampling import SamplingParams
+
+SPEC_N_LIMIT = 64  # as --spec-draft-n-max
+
+
+class ApiError(Exception):
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+             500: "server_error", 503: "unavailable_error"}
+
+    def __init__(self, status: int, message: str, type: str | None = None, **extra: Any):
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.type = type or self.TYPES.get(status, "server_error")
+        self.extra = extra
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.status, **self.extra}}
+
+
+def bad(message: str, **extra: Any) -> ApiError:
+    return ApiError(400, message, **extra)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+# --- typed field access ------------------------------------------------------------------------
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+
+
+def get_int(body: dict, key: str, default: Any = None, low: int | None = None, high: int | None = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad(f"'{key}' must be an integer, got {_json_type(v)}", param=key)
+    v = int(v)
+    if (low is not None and v < low) or (high is not None and v > high):
+        rng = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+        raise bad(f"'{key}' must be {rng}, got {v}", param=key)
+    return v
+
+
+def get_float(body: dict, key: str, default: Any = None, ok: Callable[[float], bool] = lambda v: True,
+              expected: str = "") -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(f"'{key}' must be a number, got {_json_type(v) if not isinstance(v, float) else v}", param=key)
+    if not ok(float(v)):
+        raise bad(f"'{key}' must be {expected}, got {v}", param=key)
+    return float(v)
+
+
+def get_bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean, got {_json_type(v)}", param=key)
+    return v
+
+
+def get_str(body: dict, key: str, default: Any = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise bad(f"'{key}' must be a string, got {_json_type(v)}", param=key)
+    return v
+
+
+def get_stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v] if v else []
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return [s for s in v if s]
+    raise bad(f"'stop' must be a string or an array of strings, got {_json_type(v)}", param="stop")
+
+
+def get_tokens(v: Any, key: str, n_vocab: int) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise bad(f"'{key}' must be an array of token ids", param=key)
+    tokens = [int(t) for t in v]
+    for t in tokens:
+        if not 0 <= t < n_vocab:
+            raise bad(f"token id {t} in '{key}' is out of range (the vocabulary has {n_vocab} tokens)", param=key)
+    return tokens
+
+
+# --- the generation request ------------------------------------------------------------------------
+@attrs.define
+class Defaults:
+    """Server-wide defaults (the serve command's flags)."""
+
+    params: SamplingParams = SamplingParams()
+    n_predict: int = -1  # -1: until the end of the context
+
+
+@attrs.define
+class GenRequest:
+    """One generation: the prompt (text, messages or tokens) and how to run it."""
+
+    endpoint: str  # "chat", "completions" or "completion" (llama-server's)
+    prompt_text: str | None = None
+    messages: list[dict] | None = None
+    prompt_tokens: list[int] | None = None
+    max_tokens: int | None = None  # None: until the end of the context
+    params: SamplingParams = SamplingParams()
+    stops: list[str] = attrs.field(factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    spec: SpecOverride | None = None
+
+
+def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:
+    temperature = get_float(body, "temperature", defaults.temperature)  # <= 0: greedy, as llama-server
+    top_k = get_int(body, "top_k", defaults.top_k)
+    top_p = get_float(body, "top_p", defaults.top_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+    min_p = get_float(body, "min_p", defaults.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+    seed = get_int(body, "seed", None, -1, 2**64 - 1)
+    seed = defaults.seed if seed is None or seed == -1 else seed
+    return SamplingParams(max(0.0, temperature), max(0, top_k), top_p, min_p, seed)
+
+
+def spec_override(body: dict, enabled: list[str], known: list[str]) -> SpecOverride | None:
+    """`speculative.n_max` / `.n_min` / `.p_min` / `.type`, as flat dotted keys (llama-server's way) or
+    a nested `speculative` object. Types must be among the server's --spec-type (`enabled`)."""
+    fields = {k[len("speculative."):]: v for k, v in body.items() if k.startswith("speculative.")}
+    nested = body.get("speculative")
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise bad(f"'speculative' must be an object, got {_json_type(nested)}", param="speculative")
+        fields.update(nested)
+    if not fields:
+        return None
+    named = {f"speculative.{k}": v for k, v in fields.items()}
+    n_max = get_int(named, "speculative.n_max", None, 0, SPEC_N_LIMIT)
+    n_min = get_int(named, "speculative.n_min", None, 0, SPEC_N_LIMIT)
+    p_min = get_float(named, "speculative.p_min", None, lambda v: 0 <= v <= 1, "in [0, 1]")
+    types = None
+    t = named.get("speculative.type", named.get("speculative.types"))
+    if t is not None:
+        if isinstance(t, str):
+            names = [n.strip() for n in t.split(",") if n.strip()]
+        elif isinstance(t, list) and all(isinstance(n, str) for n in t):
+            names = [n.strip() for n in t if n.strip()]
+        else:
+            raise bad(f"'speculative.type' must be a string (comma list) or an array of strings, got {_json_type(t)}",
+                      param="speculative.type")
+        names = [n for n in names if n != "none"]
+        for n in names:
+            if n not in known:
+                raise bad(f"unknown spec type '{n}' (available: {', '.join(known) or 'none installed'})",
+                          param="speculative.type")
+            if n not in enabled:
+                raise bad(f"spec type '{n}' is not enabled on this server (enabled: {', '.join(enabled) or 'none'}); "
+                          f"start it with --spec-type {n}", param="speculative.type")
+        types = tuple(n for n in enabled if n in names)  # the chain's order
+    return SpecOverride(n_max, n_min, p_min, types)
+
+
+def _max_tokens(body: dict, keys: tuple[str, ...], default: int) -> int | None:
+    """max_tokens-like fields: an integer >= 1; -1 (llama-server's n_predict) means no limit."""
+    for key in keys:
+        if body.get(key) is not None:
+            v = get_int(body, key)
+            if v == -1 and key == "n_predict":
+                return None
+            if v <= 0:
+                raise bad(f"'{key}' must be >= 1, got {v}", param=key)
+            return v
+    return None if default < 0 else default
+
+
+def parse_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("'messages' is required", param="messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty array of messages", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object, got {_json_type(m)}", param="messages")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise bad(f"messages[{i}].role must be a string", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad(f"messages[{i}].content: only text parts are supported", param="messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or an array of text parts", param="messages")
+        out.append({**m, "role": role, "content": content or ""})
+    return out
+
+
+def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], known: list[str]) -> GenRequest:
+    n = get_int(body, "n", 1)
+    if n != 1:
+        raise bad(f"'n' must be 1 (one completion per request), got {n}", param="n")
+    if body.get("logprobs") not in (None, False) or body.get("n_probs"):
+        raise bad("logprobs are not supported", param="logprobs")
+    stream = get_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad(f"'stream_options' must be an object, got {_json_type(opts)}", param="stream_options")
+    include_usage = get_bool(opts or {}, "include_usage")
+    keys = ("n_predict", "max_tokens") if endpoint == "completion" else ("max_completion_tokens", "max_tokens")
+    return GenRequest(endpoint, max_tokens=_max_tokens(body, keys, defaults.n_predict),
+                      params=sampling_params(body, defaults.params), stops=get_stop(body), stream=stream,
+                      include_usage=include_usage, spec=spec_override(body, enabled, known))
+
+
+def parse_chat(body: dict, defaults: Defaults, enabled: list[str], known: list[str]) -> GenRequest:
+    req = _common(body, "chat", defaults, enabled, known)
+    req.messages = parse_messages(body)
+    return req
+
+
+def parse_completion(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], known: list[str],
+                     n_vocab: int) -> GenRequest:
+    """/v1/completions (endpoint "completions") or llama-server's /completion ("completion")."""
+    req = _common(body, endpoint, defaults, enabled, known)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("'prompt' is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        req.prompt_tokens = get_tokens(prompt, "prompt", n_vocab)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad("one prompt per request: batches of prompts are not supported", param="prompt")
+    else:
+        raise bad(f"'prompt' must be a string or an array of token ids, got {_json_type(prompt)}", param="prompt")
+    return req

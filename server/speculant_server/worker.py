@@ -1,0 +1,280 @@
+"""The engine thread: the only code that touches the Engine.
+
+Requests arrive as Jobs in a bounded queue. Between two engine steps the thread admits waiting
+jobs into free slots (``-np``), drops cancelled ones (their sequence is released at once, which
+frees the slot), runs one ``Engine.step()`` for all active sequences together, and turns each
+sequence's new tokens into text (UTF-8 completed, stop strings cut) that it hands to the job's
+``emit`` callback (the app's asyncio side, through ``loop.call_soon_threadsafe``).
+
+Events a job receives, in order: ("start", slot), then ("text", str) any number of times, then
+either ("done", Done) or ("error", ApiError). A cancelled job receives nothing more.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+import attrs
+import structlog
+
+from speculant.engine import Engine, Sequence, SpecOverride, SpecTypeStats
+from speculant.errors import LimitError
+from speculant.sampling import SamplingParams
+
+from speculant_server.protocol import ApiError
+from speculant_server.text import TextPipeline
+
+log = structlog.get_logger("speculant.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@attrs.define
+class Done:
+    finish_reason: str  # "stop" or "length" (OpenAI's words)
+    stop_type: str  # llama-server's: "eos", "word" or "limit"
+    stopping_word: str
+    prompt_tokens: int
+    completion_tokens: int
+    timings: dict
+    slot: int
+
+
+@attrs.define(eq=False)
+class Job:
+    id: str
+    endpoint: str
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stops: list[str]
+    emit: Callable[[tuple], None]
+    spec: SpecOverride | None = None
+    settings: dict = attrs.field(factory=dict)  # what /slots shows
+    cancelled: bool = False
+    finished: bool = False
+    slot: int | None = None
+    seq: Sequence | None = None
+    pipeline: TextPipeline | None = None
+    n_generated: int = 0
+    t_queued: float = attrs.field(factory=time.perf_counter)
+    t_start: float | None = None
+    t_first: float | None = None
+
+
+@attrs.define
+class Totals:
+    """Counters over the server's life, read by the /metrics collector (plain numbers: reads are atomic)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    n_decode: int = 0  # engine steps
+    busy_slots: int = 0  # summed over steps, for the mean busy slots per step
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    n_tokens_max: int = 0  # the longest sequence seen (prompt + generated)
+    spec: dict[str, SpecTypeStats] = attrs.field(factory=dict)  # a copy of engine.spec_stats after each step
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, n_slots: int, queue_size: int):
+        self.engine = engine
+        self.n_slots = n_slots
+        self.queue_size = queue_size
+        self.tokenizer = engine.model.tokenizer
+        self.slots: list[Job | None] = [None] * n_slots
+        self.totals = Totals()
+        self.spec_types = [getattr(s, "spec_type", type(s).__name__) for s in engine.chain.speculators]
+        self._pending: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="speculant-engine", daemon=True)
+
+    # --- called from the event loop ----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def free_slots(self) -> int:
+        return sum(1 for j in self.slots if j is None)
+
+    def n_waiting(self) -> int:
+        return max(0, len(self._pending) - self.free_slots())
+
+    def n_processing(self) -> int:
+        return self.n_slots - self.free_slots()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; QueueFull when `queue_size` requests already wait for a slot."""
+        with self._cond:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._pending) >= self.queue_size + self.free_slots():
+                raise QueueFull(f"all {self.n_slots} slots are busy and {len(self._pending)} requests are waiting")
+            self._pending.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: drop the job if it waits, else release its sequence before the next step."""
+        job.cancelled = True
+        with self._cond:
+            try:
+                self._pending.remove(job)
+            except ValueError:
+                pass
+            self._cond.notify()
+
+    # --- the engine thread ---------------------------------------------------------------------
+    def _active(self) -> list[Job]:
+        return [j for j in self.slots if j is not None]
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending and not self._active():
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                admit = []
+                free = [i for i, j in enumerate(self.slots) if j is None]
+                while self._pending and free:
+                    job = self._pending.popleft()
+                    if not job.cancelled:
+                        admit.append((free.pop(0), job))
+            for slot, job in admit:
+                self._start(job, slot)
+            for job in self._active():
+                if job.cancelled:
+                    self._finish(job, "cancelled", "none", "")
+            active = self._active()
+            if not active:
+                continue
+            try:
+                new = self.engine.step()
+            except Exception as e:  # not a request's fault that we can pin down: fail the step's requests, keep serving
+                log.exception("engine step failed", requests=[j.id for j in active])
+                for job in active:
+                    self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+                continue
+            t = self.totals
+            t.n_decode += 1
+            t.busy_slots += len(active)
+            t.spec = {k: attrs.evolve(v, accepted_at=list(v.accepted_at)) for k, v in self.engine.spec_stats.items()}
+            for job in active:
+                self._deliver(job, new.get(job.seq.seq_id, ()))
+        for job in self._active():  # shutting down
+            self._fail(job, ApiError(503, "the server is shutting down"))
+        with self._cond:
+            waiting, self._pending = list(self._pending), collections.deque()
+        for job in waiting:
+            job.emit(("error", ApiError(503, "the server is shutting down")))
+
+    def _start(self, job: Job, slot: int) -> None:
+        try:
+            seq = self.engine.add(job.prompt, job.max_new_tokens, job.params, job.spec)
+        except LimitError as e:
+            job.finished = True
+            job.emit(("error", ApiError(400, str(e))))
+            return
+        except Exception as e:
+            log.exception("could not start a request", id=job.id)
+            job.finished = True
+            job.emit(("error", ApiError(500, f"could not start the request: {type(e).__name__}: {e}")))
+            return
+        job.seq, job.slot, job.t_start = seq, slot, time.perf_counter()
+        job.pipeline = TextPipeline(self.tokenizer, job.stops, self.engine.eog)
+        self.slots[slot] = job
+        job.emit(("start", slot))
+
+    def _deliver(self, job: Job, tokens) -> None:
+        if tokens and job.t_first is None:
+            job.t_first = time.perf_counter()
+        pipe, seq = job.pipeline, job.seq
+        out = []
+        for token in tokens:
+            job.n_generated += 1
+            out.append(pipe.push(token))
+            if pipe.stop_word is not None:
+                break
+        if pipe.stop_word is None and seq.finish_reason is not None:
+            out.append(pipe.finish())
+        text = "".join(out)
+        if text and not job.cancelled:
+            job.emit(("text", text))
+        if pipe.stop_word is not None:
+            self._finish(job, "stop", "word", pipe.stop_word)
+        elif seq.finish_reason is not None:
+            self._finish(job, seq.finish_reason, "eos" if seq.finish_reason == "stop" else "limit", "")
+
+    def _release(self, job: Job) -> None:
+        job.finished = True
+        self.slots[job.slot] = None
+        try:
+            self.engine.release(job.seq)
+        except Exception:
+            log.exception("releasing a sequence failed", id=job.id)
+
+    def _timings(self, job: Job, t_end: float) -> dict:
+        n_prompt, n = len(job.prompt), job.n_generated
+        t_first = job.t_first or t_end
+        prompt_ms = (t_first - job.t_start) * 1e3
+        predicted_ms = (t_end - t_first) * 1e3 if job.t_first else 0.0
+        stats = job.seq.stats
+        return {
+            "cache_n": 0, "prompt_n": n_prompt, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / n_prompt, "prompt_per_second": n_prompt / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+            "predicted_n": n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / n if n else 0.0,
+            "predicted_per_second": n / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
+            "draft_n": stats.n_drafted, "draft_n_accepted": stats.n_accepted,
+        }
+
+    def _finish(self, job: Job, finish_reason: str, stop_type: str, word: str) -> None:
+        self._release(job)
+        t_end = time.perf_counter()
+        timings = self._timings(job, t_end)
+        seq = job.seq
+        t = self.totals
+        t.prompt_tokens += len(job.prompt)
+        t.prompt_seconds += timings["prompt_ms"] / 1e3
+        t.predicted_tokens += job.n_generated
+        t.predicted_seconds += timings["predicted_ms"] / 1e3
+        t.n_tokens_max = max(t.n_tokens_max, len(seq.tokens))
+        if finish_reason == "cancelled":
+            t.requests_cancelled += 1
+        else:
+            t.requests_finished += 1
+        types = self.spec_types if seq.spec is None or seq.spec.types is None else list(seq.spec.types)
+        log.info("request", id=job.id, endpoint=job.endpoint, slot=job.slot, prompt_tokens=len(job.prompt),
+                 completion_tokens=job.n_generated, finish_reason=finish_reason,
+                 queued_ms=round((job.t_start - job.t_queued) * 1e3, 1), prompt_ms=round(timings["prompt_ms"], 1),
+                 predicted_ms=round(timings["predicted_ms"], 1), tok_s=round(timings["predicted_per_second"], 2),
+                 spec_type=",".join(types) or "none", drafts=seq.stats.n_drafts, drafted=seq.stats.n_drafted,
+                 accepted=seq.stats.n_accepted, declined=seq.stats.n_declined)
+        if seq.spec_error:
+            log.warning("speculator failed; the request went on with plain decoding", id=job.id, error=seq.spec_error)
+        if finish_reason != "cancelled":
+            job.emit(("done", Done(finish_reason, stop_type, word, len(job.prompt), job.n_generated, timings, job.slot)))
+
+    def _fail(self, job: Job, error: ApiError) -> None:
+        self._release(job)
+        self.totals.requests_failed += 1
+        log.warning("request failed", id=job.id, slot=job.slot, status=error.status, error=error.message)
+        job.emit(("error", error))
