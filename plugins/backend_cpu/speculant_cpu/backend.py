@@ -19,6 +19,15 @@ GROUP = 32
 PER_ROW_ATTENTION_MAX = 128
 
 
+def _two_rows_at_least(matmul, x: torch.Tensor) -> torch.Tensor:
+    """oneDNN takes a matrix-vector path for a single row whose rounding can differ from its
+    matrix-matrix path (seen on real Q6_K weights); every call with 2+ rows takes the same path.
+    So one row is computed as two: the cost is the same (the weights are read once either way)."""
+    if x.shape[0] == 1:
+        return matmul(x.expand(2, -1).contiguous())[:1]
+    return matmul(x)
+
+
 def _raw_tensor(info) -> torch.Tensor:
     """A private copy of the raw bytes, so nothing keeps the file's memory map alive."""
     return torch.from_numpy(np.array(info.data, copy=True))
@@ -37,12 +46,14 @@ class Int4Linear:
         self.out_features = info.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scale_zero).float()
+        y = _two_rows_at_least(lambda a: torch.ops.aten._weight_int4pack_mm_for_cpu(a, self.packed, GROUP, self.scale_zero),
+                               x.to(torch.bfloat16)).float()
         return y if self.bias is None else y + self.bias
 
 
 class DenseLinear:
-    """y = x @ W.T (+ b) with W dequantized once to bf16 (bf16 GEMM is batch-invariant here; fp32 is not)."""
+    """y = x @ W.T (+ b) with W dequantized once to bf16 (bf16 GEMM with 2+ rows is batch-invariant
+    here; fp32 is not)."""
 
     def __init__(self, info, bias):
         self.weight = dequantize(info.data, info.qtype, info.shape, dtype=torch.bfloat16)
@@ -50,7 +61,7 @@ class DenseLinear:
         self.out_features = info.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight).float()
+        y = _two_rows_at_least(lambda a: F.linear(a, self.weight), x.to(torch.bfloat16)).float()
         return y if self.bias is None else y + self.bias
 
 
