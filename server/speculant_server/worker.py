@@ -147,44 +147,58 @@ class EngineWorker:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._stopping and not self._pending and not self._active():
-                    self._cond.wait()
-                if self._stopping:
-                    break
-                admit = []
-                free = [i for i, j in enumerate(self.slots) if j is None]
-                while self._pending and free:
-                    job = self._pending.popleft()
-                    if not job.cancelled:
-                        admit.append((free.pop(0), job))
-            for slot, job in admit:
-                self._start(job, slot)
-            for job in self._active():
-                if job.cancelled:
-                    self._finish(job, "cancelled", "none", "")
-            active = self._active()
-            if not active:
-                continue
             try:
-                new = self.engine.step()
-            except Exception as e:  # not a request's fault that we can pin down: fail the step's requests, keep serving
-                log.exception("engine step failed", requests=[j.id for j in active])
-                for job in active:
-                    self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
-                continue
-            t = self.totals
-            t.n_decode += 1
-            t.busy_slots += len(active)
-            t.spec = {k: attrs.evolve(v, accepted_at=list(v.accepted_at)) for k, v in self.engine.spec_stats.items()}
-            for job in active:
-                self._deliver(job, new.get(job.seq.seq_id, ()))
+                if not self._iteration():
+                    break
+            except Exception:  # a bug here must not stop the server: log it and go on
+                log.exception("engine thread error")
+                time.sleep(0.01)
         for job in self._active():  # shutting down
             self._fail(job, ApiError(503, "the server is shutting down"))
         with self._cond:
             waiting, self._pending = list(self._pending), collections.deque()
         for job in waiting:
             job.emit(("error", ApiError(503, "the server is shutting down")))
+
+    def _iteration(self) -> bool:
+        """Admit, drop cancelled jobs, run one step and deliver its tokens. False: stop."""
+        with self._cond:
+            while not self._stopping and not self._pending and not self._active():
+                self._cond.wait()
+            if self._stopping:
+                return False
+            admit = []
+            free = [i for i, j in enumerate(self.slots) if j is None]
+            while self._pending and free:
+                job = self._pending.popleft()
+                if not job.cancelled:
+                    admit.append((free.pop(0), job))
+        for slot, job in admit:
+            self._start(job, slot)
+        for job in self._active():
+            if job.cancelled:
+                self._finish(job, "cancelled", "none", "")
+        active = self._active()
+        if not active:
+            return True
+        try:
+            new = self.engine.step()
+        except Exception as e:  # not a request's fault that we can pin down: fail the step's requests, keep serving
+            log.exception("engine step failed", requests=[j.id for j in active])
+            for job in active:
+                self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+            return True
+        t = self.totals
+        t.n_decode += 1
+        t.busy_slots += len(active)
+        t.spec = {k: attrs.evolve(v, accepted_at=list(v.accepted_at)) for k, v in self.engine.spec_stats.items()}
+        for job in active:
+            try:
+                self._deliver(job, new.get(job.seq.seq_id, ()))
+            except Exception as e:
+                log.exception("delivering tokens failed", id=job.id)
+                self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+        return True
 
     def _start(self, job: Job, slot: int) -> None:
         try:
@@ -225,7 +239,8 @@ class EngineWorker:
 
     def _release(self, job: Job) -> None:
         job.finished = True
-        self.slots[job.slot] = None
+        if self.slots[job.slot] is job:
+            self.slots[job.slot] = None
         try:
             self.engine.release(job.seq)
         except Exception:
