@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import socket
 import sys
 
@@ -49,7 +50,7 @@ def configure_logging(fmt: str = "text") -> None:
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
                     structlog.processors.format_exc_info, renderer],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr), cache_logger_on_first_use=True)
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # aiohttp's own warnings and errors
 
 
@@ -65,8 +66,6 @@ def cmd_serve(args) -> int:
     from speculant_server.app import ServerConfig, create_app
     from speculant_server.protocol import Defaults
 
-    configure_logging(args.log_format)
-    log = structlog.get_logger("speculant.server")
     parse_spec_types(args.spec_type)  # an unknown spec type fails before the model loads
     try:  # a taken port fails before the model loads too
         with socket.create_server((args.host, args.port)) if args.port else socket.socket():
@@ -75,6 +74,8 @@ def cmd_serve(args) -> int:
         raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
 
     model = load(args)
+    configure_logging(args.log_format)  # only now: the checks above fail in one plain line
+    log = structlog.get_logger("speculant.server")
     config, speculators = engine_setup(args, model)
     engine = Engine(model, config, speculators)
     keys = tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip())
@@ -83,8 +84,9 @@ def cmd_serve(args) -> int:
                                  max_body_size=args.max_body_size, defaults=defaults, draft_model=args.spec_draft_model)
     app = create_app(engine, server_config)
 
-    def announce(*_):
-        log.info("listening", url=f"http://{args.host}:{args.port}", model=args.model, n_ctx=config.n_ctx,
+    def announce(message: str = "", *_):  # aiohttp's "Running on http://HOST:PORT" names the port bound
+        found = re.search(r"https?://[^\s]+", str(message))
+        log.info("listening", url=found.group(0) if found else f"http://{args.host}:{args.port}", model=args.model, n_ctx=config.n_ctx,
                  slots=args.parallel, spec_types=args.spec_type or "none", api_key=bool(keys))
 
     try:
