@@ -42,3 +42,12 @@ def test_missing_model_is_one_line(capsys, tmp_path):
 def test_bad_flag_values(capsys, argv, words):
     assert serve_main(["-m", "x.gguf", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_speculant_serve_subcommand(capsys, tmp_path):
+    from speculant.cli import main
+
+    assert main(["serve", "--help"]) == 0
+    assert "--api-key" in capsys.readouterr().out
+    assert main(["serve", "-m", str(tmp_path / "absent.gguf"), "--spec-type", "warp-drive", "--port", "0"]) == 2
+    assert "unknown spec type 'warp-drive'" in capsys.readouterr().err

@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_int(1), default=1, help="runs per workload; medians are reported (default 1)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     add_spec_args(b)
+
+    from speculant_server.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -191,7 +195,13 @@ def cmd_bench(args) -> int:
     return run_bench(args, load)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
+def cmd_serve(args) -> int:
+    from speculant_server.cli import cmd_serve as serve
+
+    return serve(args)
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
