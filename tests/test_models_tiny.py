@@ -293,9 +293,10 @@ def feed(model, context, seq_id, start, toks, chunk):
 
 DENSE_BF16_NOT_INVARIANT = (
     "speculant_cpu/backend.py DenseLinear.__call__: F.linear on bf16 sums a row in an order that depends on "
-    "how many rows share the call (see test_cpu_dense_linear_is_batch_invariant), so a row's bf16 output "
-    "flips by one ulp where its float32 sum lies near a rounding midpoint; these weights hit one "
-    "(blk.0.attn_k, row 3 of 16: 0.16259768 rounds to 0.16308594 batched, 0.16210938 alone)")
+    "how many rows share the call (see test_cpu_dense_linear_is_batch_invariant; computing 1 row as 2 does not "
+    "help for 2 vs 3+ rows), so a row's bf16 output flips by one ulp where its float32 sum lies near a rounding "
+    "midpoint; these weights hit one (blk.0.attn_k, K=64: e.g. 0.16259768 -> 0.16308594 in one order, "
+    "0.16210938 in the other)")
 BATCH_CASES = [pytest.param(a, t, id=f"{a}-{t}", marks=[pytest.mark.xfail(reason=DENSE_BF16_NOT_INVARIANT, strict=True)]
                             if t == "Q8_0" else []) for a, t in CASES]
 
@@ -373,11 +374,10 @@ def _order_probe(k: int, rows: int) -> float:
 
 
 @pytest.mark.xfail(reason="speculant_cpu/backend.py DenseLinear.__call__ (F.linear on bf16) accumulates a row "
-                          "in an order that depends on the number of rows in the call (K=64: 1..8 rows give 56, "
-                          "16+ rows give 0; K=256: 1-2 rows 224, 3+ rows 0; with 2 threads a 1-row K=8960 call also "
-                          "splits K across threads), so the dense kernel is not batch-invariant as the backend "
-                          "promises; also makes test_real_models' batch-size test flaky (Q6_K tensors are dense)",
-                   strict=True)
+                          "in an order that depends on the number of rows in the call (K=64, 16 outputs, one "
+                          "thread: 1-4 rows give 56, 8+ rows give 0; the thresholds move with shape and thread "
+                          "count; at 2 threads K=8960: 1-16 rows give 4480, 64 rows 0), so the dense kernel is "
+                          "not batch-invariant as the backend promises", strict=True)
 def test_cpu_dense_linear_is_batch_invariant():
     for k in (64, 256, 1536):
         results = {rows: _order_probe(k, rows) for rows in (1, 2, 3, 4, 8, 16, 64)}
