@@ -291,14 +291,7 @@ def feed(model, context, seq_id, start, toks, chunk):
     return torch.cat(out)
 
 
-DENSE_BF16_NOT_INVARIANT = (
-    "speculant_cpu/backend.py DenseLinear.__call__: F.linear on bf16 sums a row in an order that depends on "
-    "how many rows share the call (see test_cpu_dense_linear_is_batch_invariant; computing 1 row as 2 does not "
-    "help for 2 vs 3+ rows), so a row's bf16 output flips by one ulp where its float32 sum lies near a rounding "
-    "midpoint; these weights hit one (blk.0.attn_k, K=64: e.g. 0.16259768 -> 0.16308594 in one order, "
-    "0.16210938 in the other)")
-BATCH_CASES = [pytest.param(a, t, id=f"{a}-{t}", marks=[pytest.mark.xfail(reason=DENSE_BF16_NOT_INVARIANT, strict=True)]
-                            if t == "Q8_0" else []) for a, t in CASES]
+BATCH_CASES = [pytest.param(a, t, id=f"{a}-{t}") for a, t in CASES]
 
 
 @pytest.mark.parametrize("arch,qtype", BATCH_CASES)
@@ -373,11 +366,6 @@ def _order_probe(k: int, rows: int) -> float:
     return lin(x)[0, 0].item()
 
 
-@pytest.mark.xfail(reason="speculant_cpu/backend.py DenseLinear.__call__ (F.linear on bf16) accumulates a row "
-                          "in an order that depends on the number of rows in the call (K=64, 16 outputs, one "
-                          "thread: 1-4 rows give 56, 8+ rows give 0; the thresholds move with shape and thread "
-                          "count; at 2 threads K=8960: 1-16 rows give 4480, 64 rows 0), so the dense kernel is "
-                          "not batch-invariant as the backend promises", strict=True)
 def test_cpu_dense_linear_is_batch_invariant():
     for k in (64, 256, 1536):
         results = {rows: _order_probe(k, rows) for rows in (1, 2, 3, 4, 8, 16, 64)}
@@ -400,10 +388,6 @@ def test_cpu_int4_linear_is_batch_invariant():
         assert len(results) == 1, (k, results)
 
 
-@pytest.mark.xfail(reason="speculant_cpu/backend.py CpuBackend.linear packs Q4_0/Q4_1/Q4_K weights into torch's "
-                          "int4 format when rows % 8 == 0, but _convert_weight_to_int4pack_for_cpu needs rows % 16 "
-                          "== 0: a 4-bit tensor with 8, 24, 40, ... rows fails to load with RuntimeError instead "
-                          "of falling back to DenseLinear", raises=RuntimeError, strict=True)
 def test_int4_weight_with_rows_not_multiple_of_16_loads(model_dir):
     # one kv head of head_dim 8: attn_k/attn_v have 8 rows
     path = model_file(model_dir, "llama", "Q4_0", n_head=8, n_kv_head=1)

