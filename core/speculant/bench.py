@@ -93,15 +93,18 @@ def run_bench(args, load) -> int:
     for w in tqdm(workloads, desc="workloads", file=sys.stderr, leave=False):
         prompt = prompt_tokens(model, w)
         n_max = args.n_predict or int(w.get("max_tokens", 256))
-        baseline = None
+        # Repeats interleave the configurations, so drift in machine speed hits them alike.
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name in names:
+                # Fresh speculators per run (ngram-mod's pool is shared by every sequence of one instance).
+                config, speculators = setup(name)
+                runs[name].append(run_once(model, prompt, n_max, config, speculators))
+        baseline = median_run(runs["none"])
         for name in names:
-            # Fresh speculators per workload (ngram-mod's pool is shared by every sequence of one instance).
-            config, speculators = setup(name)
-            runs = [run_once(model, prompt, n_max, config, speculators) for _ in range(args.repeats)]
-            r = median_run(runs)
-            baseline = baseline or r
+            r = median_run(runs[name])
             r.update(workload=w.get("name", "?"), spec=name, prompt_tokens=len(prompt), completion_tokens=len(r["tokens"]),
-                     identical=all(x["tokens"] == baseline["tokens"] for x in runs),
+                     identical=all(x["tokens"] == baseline["tokens"] for x in runs[name]),
                      speedup=r["decode_tok_s"] / baseline["decode_tok_s"] if baseline["decode_tok_s"] else 0.0)
             rows.append(r)
 

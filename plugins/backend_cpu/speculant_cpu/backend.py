@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
@@ -42,11 +41,6 @@ def _fixed_tiles(matmul, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([matmul(tile) for tile in x.split(DENSE_TILE)])[:n]
 
 
-def _raw_tensor(info) -> torch.Tensor:
-    """A private copy of the raw bytes, so nothing keeps the file's memory map alive."""
-    return torch.from_numpy(np.array(info.data, copy=True))
-
-
 class Int4Linear:
     """y = x @ W.T (+ b) with W stored as torch int4 pack, group 32, bf16 scale and zero."""
 
@@ -79,10 +73,11 @@ class DenseLinear:
 
 
 class QuantEmbedding:
-    """Token embedding lookup that keeps the table in its GGUF encoding and dequantizes only the rows used."""
+    """Token embedding lookup that reads rows straight from the file's memory map and dequantizes
+    only the rows used: the table never becomes resident memory of its own."""
 
     def __init__(self, info):
-        self.raw = _raw_tensor(info)
+        self.raw = info.data  # a read-only view into the mapping, which it keeps open
         self.qtype, self.shape = info.qtype, info.shape
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
