@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from speculant import Batch, ForwardOutput, KVCache
 from speculant.gguf.tokenizer import Tokenizer
 
-from speculant_transformer.layers import apply_rope, attend, commit, reserve, rms_norm, rope_tables
+from speculant_transformer.layers import DecoderModel, apply_rope, attend, commit, reserve, rms_norm, rope_tables
 from speculant_transformer.loading import WeightLoader, model_info, require
 
 SWA_PATTERN = 6  # layers i with (i + 1) % 6 != 0 use the sliding window
@@ -72,13 +72,7 @@ class Gemma3Block:
     post_ffn_norm: torch.Tensor
 
 
-class Gemma3Model:
-    state_kind = "kv"
-
-    def __init__(self, config, info, tokenizer, backend, embed, blocks, out_norm, output):
-        self.config, self.info, self.tokenizer, self.backend = config, info, tokenizer, backend
-        self.embed, self.blocks, self.out_norm, self.output = embed, blocks, out_norm, output
-
+class Gemma3Model(DecoderModel):
     @classmethod
     def load(cls, gguf, backend, progress=None) -> "Gemma3Model":
         tokenizer = Tokenizer.from_metadata(gguf.metadata, gguf.path)
@@ -101,10 +95,6 @@ class Gemma3Model:
         output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
         return cls(cfg, model_info(gguf, cfg.n_vocab, cfg.n_embd, cfg.n_layers), tokenizer, backend,
                    w.embedding("token_embd.weight"), blocks, w.tensor("output_norm.weight"), output)
-
-    def new_context(self, max_tokens: int) -> KVCache:
-        c = self.config
-        return KVCache(c.n_layers, c.n_kv_head, c.head_dim, max_tokens, dtype=self.backend.kv_dtype, device=self.backend.device)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
@@ -136,9 +126,4 @@ class Gemma3Model:
                 hidden[i] = x
         commit(batch, groups, cache)
 
-        if c.n_layers in hidden_layers:
-            hidden[c.n_layers] = rms_norm(x, self.out_norm, c.eps)
-        want = [i for i, w in enumerate(batch.want_logits) if w]
-        if not want:  # a prompt chunk: skip the output head
-            return ForwardOutput(x.new_empty(0, c.n_vocab), hidden)
-        return ForwardOutput(self.output(rms_norm(x[want], self.out_norm, c.eps)), hidden)
+        return self.head(batch, x, hidden, hidden_layers)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from speculant import Batch, KVCache
+from speculant import Batch, ForwardOutput, KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,3 +51,28 @@ def attend(backend, cache: KVCache, layer: int, groups, positions: torch.Tensor,
 def commit(batch: Batch, groups, cache: KVCache) -> None:
     for seq_id, _, b in groups:
         cache.commit(seq_id, batch.positions[b - 1] + 1)
+
+
+class DecoderModel:
+    """What every decoder here shares: the parts it is built from, its KV cache, and the output head."""
+
+    state_kind = "kv"
+
+    def __init__(self, config, info, tokenizer, backend, embed, blocks, out_norm, output):
+        self.config, self.info, self.tokenizer, self.backend = config, info, tokenizer, backend
+        self.embed, self.blocks, self.out_norm, self.output = embed, blocks, out_norm, output
+
+    def new_context(self, max_tokens: int) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_head, c.head_dim, max_tokens, dtype=self.backend.kv_dtype, device=self.backend.device)
+
+    def head(self, batch: Batch, x: torch.Tensor, hidden: dict, hidden_layers: tuple[int, ...]) -> ForwardOutput:
+        """Final norm and output projection for the rows that want logits (layer n_layers in
+        `hidden_layers` asks for the final-normed state of every row)."""
+        c = self.config
+        if c.n_layers in hidden_layers:
+            hidden[c.n_layers] = rms_norm(x, self.out_norm, c.eps)
+        want = [i for i, w in enumerate(batch.want_logits) if w]
+        if not want:  # a prompt chunk: skip the output head
+            return ForwardOutput(x.new_empty(0, c.n_vocab), hidden)
+        return ForwardOutput(self.output(rms_norm(x[want], self.out_norm, c.eps)), hidden)

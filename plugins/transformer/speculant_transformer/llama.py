@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from speculant import Batch, ForwardOutput, KVCache
 from speculant.gguf.tokenizer import Tokenizer
 
-from speculant_transformer.layers import apply_rope, attend, commit, reserve, rms_norm, rope_tables
+from speculant_transformer.layers import DecoderModel, apply_rope, attend, commit, reserve, rms_norm, rope_tables
 from speculant_transformer.loading import WeightLoader, model_info, require
 
 
@@ -61,13 +61,7 @@ class LlamaBlock:
     w_down: object
 
 
-class LlamaModel:
-    state_kind = "kv"
-
-    def __init__(self, config: LlamaConfig, info, tokenizer, backend, embed, blocks, out_norm, output):
-        self.config, self.info, self.tokenizer, self.backend = config, info, tokenizer, backend
-        self.embed, self.blocks, self.out_norm, self.output = embed, blocks, out_norm, output
-
+class LlamaModel(DecoderModel):
     @classmethod
     def load(cls, gguf, backend, progress=None) -> "LlamaModel":
         tokenizer = Tokenizer.from_metadata(gguf.metadata, gguf.path)
@@ -94,10 +88,6 @@ class LlamaModel:
         output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
         return cls(cfg, model_info(gguf, cfg.n_vocab, cfg.n_embd, cfg.n_layers), tokenizer, backend,
                    w.embedding("token_embd.weight"), blocks, w.tensor("output_norm.weight"), output)
-
-    def new_context(self, max_tokens: int) -> KVCache:
-        c = self.config
-        return KVCache(c.n_layers, c.n_kv_head, c.head_dim, max_tokens, dtype=self.backend.kv_dtype, device=self.backend.device)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
@@ -126,9 +116,4 @@ class LlamaModel:
                 hidden[i] = x
         commit(batch, groups, cache)
 
-        if c.n_layers in hidden_layers:
-            hidden[c.n_layers] = rms_norm(x, self.out_norm, c.eps)
-        want = [i for i, w in enumerate(batch.want_logits) if w]
-        if not want:  # a prompt chunk: skip the output head
-            return ForwardOutput(x.new_empty(0, c.n_vocab), hidden)
-        return ForwardOutput(self.output(rms_norm(x[want], self.out_norm, c.eps)), hidden)
+        return self.head(batch, x, hidden, hidden_layers)
