@@ -130,7 +130,7 @@ _pre(["falcon"], [r"[\p{P}\$\+<=>\^~\|`]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| 
                   r"[0-9][0-9][0-9]"])
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -143,7 +143,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-_BYTE_TO_UNICODE = _bytes_to_unicode()
+_BYTE_TO_UNICODE = bytes_to_unicode()
 _UNICODE_TO_BYTE = {c: b for b, c in _BYTE_TO_UNICODE.items()}
 _ASCII_SPACE = " \t\n\v\f\r"  # C isspace() in the "C" locale, used for LSTRIP/RSTRIP
 _SPM_WORD_START = re.compile("(?<=[^▁])▁")  # a '▁' after another character: where an SPM word may start

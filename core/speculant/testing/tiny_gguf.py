@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
+from speculant.gguf.tokenizer import bytes_to_unicode  # the same table the tokenizer decodes with
 
 __all__ = [
     "ARCHS", "CORPUS", "MIN_VOCAB", "TOKENIZERS", "bytes_to_unicode", "quantize", "quantize_k",
@@ -210,18 +211,6 @@ _QWEN2_PRE_ASCII = re.compile(
 _SPM_CHUNKS = re.compile(f"{SPM_SPACE}+(?={SPM_SPACE}[^{SPM_SPACE}\\n])|{SPM_SPACE}?[^{SPM_SPACE}\\n]+|{SPM_SPACE}+|\\n+")
 
 
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character map (in GPT-2's vocabulary order)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def _learn_bpe(chunks: list[tuple[str, ...]], known: set[str], n_new: int) -> tuple[list[str], list[str]]:
