@@ -122,10 +122,10 @@ def test_chain_order_and_fallthrough():
             return Draft(tuple(self.toks), self.spec_type) if self.toks else None
 
     empty, a, b = Fixed("empty", []), Fixed("a", [1]), Fixed("b", [2])
-    engine = Engine(ToyModel(), EngineConfig(n_ctx=64), [empty, a, b])
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=64, adaptive=False), [empty, a, b])
     seq = engine.add(PROMPT, 5)
     engine._prefill(seq)
-    draft, _ = engine._propose(seq)
+    draft = engine._propose(seq)
     assert draft.spec_type == "a" and empty.asked == 1 and b.asked == 0
 
 

@@ -4,12 +4,22 @@ The public API that plugins import. Everything else in the package is internal.
 """
 from speculant.errors import LimitError, ModelFileError, SpeculantError
 from speculant.hookspecs import hookimpl, hookspec
-from speculant.types import Batch, Draft, DraftLimits, ForwardOutput, SequenceView
+from speculant.types import Batch, Draft, DraftLimits, DraftRequest, ForwardOutput, SequenceView
 from speculant.model import Backend, Context, Model, ModelInfo, RecurrentContext
 from speculant.context import KVCache
 
 __all__ = [
-    "Backend", "Batch", "Context", "Draft", "DraftLimits", "ForwardOutput", "KVCache", "LimitError",
+    "Backend", "Batch", "Context", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "KVCache", "LimitError",
     "Model", "ModelFileError", "ModelInfo", "RecurrentContext", "SequenceView", "SpeculantError",
-    "hookimpl", "hookspec",
+    "hookimpl", "hookspec", "load_model",
 ]
+
+
+def __getattr__(name: str):
+    # load_model(path, backend="cpu", progress=True) -> Model, for plugins that load a model of
+    # their own (a draft model); imported on first use so `import speculant` stays light.
+    if name == "load_model":
+        from speculant.loader import load_model
+
+        return load_model
+    raise AttributeError(f"module 'speculant' has no attribute {name!r}")

@@ -2,8 +2,19 @@
 
 Leviathan et al.'s cost model, measured on the fly. With alpha_i the chance that draft token i is
 accepted given that the ones before it were, a step that verifies k draft tokens emits
-E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens and costs T(k) = t_verify(1 + k rows) + t_draft(k).
-The controller keeps the k <= len(draft) with the best E(k)/T(k); k = 0 means "do not draft".
+E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens and costs T(k) = t_verify(1 + k rows) + c * k,
+c being the speculator's own cost per drafted token. A plain step emits 1 token in t_verify(1).
+
+Two decisions use it:
+
+* before drafting (`plan`): the most tokens worth drafting, with c counted. 0 means "do not ask
+  this speculator": a draft model's forwards are the expensive part, so a draft that would not pay
+  must not be made at all. c is measured per spec type as seconds spent in the speculator over
+  tokens it produced, so calls that produced nothing (a draft model that stopped below p_min at
+  its first token, a draft dropped for being shorter than n_min) count too.
+* after drafting (`best_length`): how many of the drafted tokens to verify; the drafting is paid
+  for then, so only verification cost counts.
+
 Acceptance is tracked per spec type with exponential forgetting, the forward cost per row count.
 A declined spec type is still probed now and then so it can win back when text turns repetitive.
 """
@@ -14,6 +25,8 @@ import attrs
 DECAY = 0.98  # per observation: acceptance estimates follow the last ~50 drafts
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0
 PROBE_EVERY = 16  # after this many declined drafts in a row, let one through to refresh the estimate
+PROBE_LENGTH = 2
+COST_DECAY = 0.9  # per observation of a speculator's cost: follows the last ~10 calls
 
 
 @attrs.define
@@ -68,46 +81,84 @@ class Acceptance:
 
 
 @attrs.define
+class DraftCost:
+    """Decayed sums of a speculator's seconds and the tokens it produced in them."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        self.seconds = COST_DECAY * self.seconds + seconds
+        self.tokens = COST_DECAY * self.tokens + tokens
+
+    def per_token(self) -> float:
+        # Calls that produced nothing still cost: with no tokens yet, count as if one was made.
+        return self.seconds / max(self.tokens, 1.0)
+
+
+@attrs.define
 class DraftLengthController:
     enabled: bool = True
     forward: ForwardCost = attrs.field(factory=ForwardCost)
     acceptance: dict[str, Acceptance] = attrs.field(factory=dict)
-    draft_cost: dict[str, float] = attrs.field(factory=dict)  # EMA seconds per drafted token
+    costs: dict[str, DraftCost] = attrs.field(factory=dict)
     declined_in_a_row: dict[str, int] = attrs.field(factory=dict)
 
     def observe_forward(self, rows: int, seconds: float) -> None:
         self.forward.observe(rows, seconds)
 
-    def observe_draft(self, spec_type: str, n_drafted: int, n_accepted: int, seconds: float) -> None:
+    def observe_draft(self, spec_type: str, n_drafted: int, n_accepted: int) -> None:
+        """A verified draft: n_drafted tokens, the first n_accepted of them accepted."""
         self.acceptance.setdefault(spec_type, Acceptance()).observe(n_drafted, n_accepted)
-        if n_drafted:
-            old = self.draft_cost.get(spec_type)
-            per_token = seconds / n_drafted
-            self.draft_cost[spec_type] = per_token if old is None else 0.8 * old + 0.2 * per_token
 
-    def best_length(self, spec_type: str, n: int) -> int:
-        """How many of the n drafted tokens are worth verifying (0: none)."""
-        if not self.enabled or n == 0:
-            return n
+    def observe_cost(self, spec_type: str, seconds: float, n_tokens: int) -> None:
+        """One call of a speculator for one sequence: its seconds and the tokens it produced (0 too)."""
+        self.costs.setdefault(spec_type, DraftCost()).observe(seconds, n_tokens)
+
+    def draft_cost(self, spec_type: str) -> float:
+        """Measured seconds per drafted token (0 before any measurement)."""
+        c = self.costs.get(spec_type)
+        return 0.0 if c is None else c.per_token()
+
+    def _best(self, spec_type: str, n: int, cost_per_token: float) -> int | None:
+        """argmax over k in 0..n of E(k) / T(k); None before the forward cost is known."""
         t1 = self.forward.cost(1)
         if t1 is None or self.forward.cost(2) is None:
-            return n  # no cost measurements yet: verify and learn
+            return None
         acc = self.acceptance.get(spec_type, Acceptance())
-        draft_cost = self.draft_cost.get(spec_type, 0.0)
         best_k, best_rate = 0, 1.0 / t1
         expected, p = 1.0, 1.0
         for k in range(1, n + 1):
             p *= acc.alpha(k - 1)
             expected += p
-            rate = expected / (self.forward.cost(1 + k) + draft_cost * k)
+            rate = expected / (self.forward.cost(1 + k) + cost_per_token * k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        if best_k == 0:
+        return best_k
+
+    def plan(self, spec_type: str, n_max: int) -> int:
+        """How many tokens the speculator may draft (0: do not ask it), its own cost counted."""
+        if not self.enabled or n_max <= 0:
+            return n_max
+        if not self.forward.seconds:
+            return 0  # nothing measured yet: one plain step gives the cost all drafts are compared with
+        k = self._best(spec_type, n_max, self.draft_cost(spec_type))
+        if k is None:
+            return n_max  # learn: verify and measure
+        if k == 0:
             streak = self.declined_in_a_row.get(spec_type, 0) + 1
             self.declined_in_a_row[spec_type] = streak
             if streak >= PROBE_EVERY:
                 self.declined_in_a_row[spec_type] = 0
-                return min(n, 2)  # probe
+                return min(n_max, PROBE_LENGTH)
             return 0
         self.declined_in_a_row[spec_type] = 0
-        return best_k
+        return k
+
+    def best_length(self, spec_type: str, n: int) -> int:
+        """How many of the n drafted tokens are worth verifying (at least 1: the decision to
+        draft was `plan`'s, and the drafting is paid for)."""
+        if not self.enabled or n == 0:
+            return n
+        k = self._best(spec_type, n, 0.0)
+        return n if k is None else max(1, k)

@@ -2,18 +2,47 @@
 
 Each chain has its own pluggy manager holding only its speculators, so a hook call reaches
 exactly them. pluggy calls the last registered first, so they are registered in reverse user
-order; `propose` is firstresult, so the first speculator that returns a draft (not None) wins;
-an empty draft counts as no draft for the step.
+order.
+
+Proposals are made for all active sequences at once (`propose_batch`): the speculators are
+asked in chain order, each for the sequences still without a draft. A speculator implementing
+the ``propose_batch`` hook gets all of them in one call (a draft model batches its forwards
+across sequences); one with only ``propose`` is asked per sequence. Per sequence this is
+``propose``'s firstresult rule: the first speculator that returns a draft (not None) wins, and
+an empty draft counts as no draft for the step (it still ends the search for that sequence).
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
+import attrs
 import pluggy
 
 from speculant import hookspecs
-from speculant.types import Draft, DraftLimits, SequenceView
+from speculant.types import Draft, DraftLimits, DraftRequest, SequenceView
+
+
+@attrs.define
+class Proposal:
+    """The chain's answer for one request: the draft (None: no draft), the exception a speculator
+    raised for this sequence (the search stopped there), and per speculator asked, (spec type,
+    seconds, tokens it produced). A batched call's time is shared evenly by its sequences."""
+
+    draft: Draft | None = None
+    error: BaseException | None = None
+    costs: list[tuple[str, float, int]] = attrs.field(factory=list)
+
+
+# plan(request, spec_type) -> the limits to ask that speculator with; n_max <= 0 skips it for the request.
+Plan = Callable[[DraftRequest, str], DraftLimits]
+
+
+def _trim(draft: Draft, n_max: int) -> Draft:
+    """A speculator may not exceed the limit; trim rather than overrun the context."""
+    if len(draft) <= n_max:
+        return draft
+    return Draft(draft.tokens[:n_max], draft.spec_type, None if draft.probs is None else draft.probs[:n_max])
 
 
 class SpeculatorChain:
@@ -28,42 +57,98 @@ class SpeculatorChain:
         # Hidden states any speculator asked for (MTP, EAGLE3, DFlash), requested from the target.
         self.hidden_layers = tuple(sorted({l for s in self.speculators for l in getattr(s, "hidden_layers", ())}))
         self.hook_seconds = 0.0  # time spent inside hook dispatch and speculators, for the overhead check
-        self._subsets: dict[frozenset, Any] = {}  # propose callers over part of the chain, by spec types kept
+        # Per speculator, in chain order: (spec type, caller of its propose_batch or None, of its propose or None).
+        batched = {id(h.plugin) for h in self.hook.propose_batch.get_hookimpls()}
+        single = {id(h.plugin) for h in self.hook.propose.get_hookimpls()}
+        self._proposers: list[tuple[str, Any, Any]] = []
+        for spec in self.speculators:
+            others = [s for s in self.speculators if s is not spec]
+            name = getattr(spec, "spec_type", type(spec).__name__)
+            if id(spec) in batched:
+                self._proposers.append((name, self.pm.subset_hook_caller("propose_batch", others), None))
+            elif id(spec) in single:
+                self._proposers.append((name, None, self.pm.subset_hook_caller("propose", others)))
 
     def __bool__(self) -> bool:
         return bool(self.speculators)
 
-    def _call(self, name: str, caller=None, **kwargs):
+    def _call(self, name: str, **kwargs):
         t = time.perf_counter()
         try:
-            return (caller or getattr(self.hook, name))(**kwargs)
+            return getattr(self.hook, name)(**kwargs)
         finally:
             self.hook_seconds += time.perf_counter() - t
-
-    def _propose_caller(self, only: tuple[str, ...]):
-        """`propose` over the chain's speculators whose spec type is in `only` (still in chain order)."""
-        key = frozenset(only)
-        caller = self._subsets.get(key)
-        if caller is None:
-            drop = [s for s in self.speculators if getattr(s, "spec_type", None) not in key]
-            caller = self._subsets[key] = self.pm.subset_hook_caller("propose", drop)
-        return caller
 
     def begin(self, seq: SequenceView) -> None:
         self._call("begin", seq=seq)
 
+    def propose_batch(self, requests: Sequence[DraftRequest], only: Sequence[tuple[str, ...] | None] | None = None,
+                      plan: Plan | None = None) -> list[Proposal]:
+        """A Proposal per request. ``only[i]``: the spec types that may draft for request i (None:
+        all). ``plan``, if given, picks the limits each speculator is asked with, per request
+        (the engine's cost model: a costly draft model is not run when its draft would not pay)."""
+        t_start = time.perf_counter()
+        out = [Proposal() for _ in requests]
+        pending = [i for i, r in enumerate(requests) if r.limits.n_max > 0]
+        for name, batch_caller, caller in self._proposers:
+            if not pending:
+                break
+            asked: list[tuple[int, DraftLimits]] = []
+            for i in pending:
+                if only is not None and only[i] is not None and name not in only[i]:
+                    continue
+                limits = requests[i].limits if plan is None else plan(requests[i], name)
+                if limits.n_max > 0:
+                    asked.append((i, limits))
+            if not asked:
+                continue
+            answered: set[int] = set()
+            if batch_caller is not None:
+                t = time.perf_counter()
+                try:
+                    drafts = batch_caller(requests=[DraftRequest(requests[i].seq, lim) for i, lim in asked])
+                    if drafts is not None and len(drafts) != len(asked):
+                        raise ValueError(f"{name}: propose_batch returned {len(drafts)} drafts for {len(asked)} requests")
+                    error = None
+                except Exception as e:  # every sequence of the call loses speculation; the others go on
+                    drafts, error = None, e
+                share = (time.perf_counter() - t) / len(asked)
+                for j, (i, lim) in enumerate(asked):
+                    d = None if drafts is None else drafts[j]
+                    answered.update(self._record(out[i], name, share, d, lim, error, i))
+            else:
+                for i, lim in asked:
+                    t = time.perf_counter()
+                    try:
+                        d, error = caller(seq=requests[i].seq, limits=lim), None
+                    except Exception as e:
+                        d, error = None, e
+                    answered.update(self._record(out[i], name, time.perf_counter() - t, d, lim, error, i))
+            if answered:
+                pending = [i for i in pending if i not in answered]
+        self.hook_seconds += time.perf_counter() - t_start
+        return out
+
+    @staticmethod
+    def _record(p: Proposal, name: str, seconds: float, draft: Draft | None, limits: DraftLimits,
+                error: BaseException | None, i: int) -> tuple[int, ...]:
+        """Note one speculator's answer for a request; returns (i,) when the search for it ends."""
+        p.costs.append((name, seconds, 0 if draft is None else len(draft)))
+        if error is not None:
+            p.error = error
+            return (i,)
+        if draft is None:
+            return ()
+        if len(draft):
+            p.draft = _trim(draft, limits.n_max)
+        return (i,)
+
     def propose(self, seq: SequenceView, limits: DraftLimits, only: tuple[str, ...] | None = None) -> Draft | None:
-        """The first draft of the chain (of its spec types in `only`, when given)."""
-        if limits.n_max <= 0:
-            return None
-        caller = None if only is None else self._propose_caller(only)
-        draft = self._call("propose", caller, seq=seq, limits=limits)
-        if draft is None or len(draft) == 0:
-            return None
-        if len(draft) > limits.n_max:  # a speculator may not exceed the limit; trim rather than overrun the context
-            draft = Draft(draft.tokens[: limits.n_max], draft.spec_type,
-                          None if draft.probs is None else draft.probs[: limits.n_max])
-        return draft
+        """The first draft of the chain for one sequence (of its spec types in `only`, when given)."""
+        p = self.propose_batch([DraftRequest(seq, limits)], [only])[0]
+        if p.error is not None:
+            raise p.error
+        return p.draft
 
     def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict) -> None:
         self._call("accept", seq=seq, draft=draft, n_accepted=n_accepted, hidden=hidden)

@@ -19,7 +19,7 @@ from speculant.chain import SpeculatorChain
 from speculant.errors import LimitError
 from speculant.model import Model
 from speculant.sampling import Sampler, SamplingParams
-from speculant.types import Batch, Draft, DraftLimits, SequenceView
+from speculant.types import Batch, Draft, DraftLimits, DraftRequest, SequenceView
 from speculant.verify import verify
 
 PREFILL_CHUNK = 512
@@ -61,8 +61,9 @@ class SpecTypeStats:
     drafted: int = 0  # tokens in them
     accepted: int = 0
     accepted_at: list[int] = attrs.field(factory=list)  # accepted_at[i]: drafts whose token i was accepted
-    declined: int = 0  # drafts the adaptive controller did not verify
-    draft_seconds: float = 0.0
+    declined: int = 0  # times the adaptive controller did not let the spec type draft
+    produced: int = 0  # tokens the speculator drafted, before the controller trimmed them
+    draft_seconds: float = 0.0  # time in the speculator, calls without a draft included
     verify_seconds: float = 0.0
 
     @property
@@ -90,7 +91,7 @@ class SeqStats:
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0
-    n_declined: int = 0  # drafts the adaptive controller chose not to verify
+    n_declined: int = 0  # spec types the adaptive controller did not let draft, summed over steps
     last_accepted: int = 0
     drafts: SpecTypeStats = attrs.field(factory=SpecTypeStats)  # this sequence's drafts, all spec types
 
@@ -186,8 +187,7 @@ class Engine:
         for seq in seqs:
             if seq.n_cached == 0:  # a new prompt; replayed rows of a recurrent state ride with the step
                 self._prefill(seq)
-        proposals = {seq.seq_id: self._propose(seq) for seq in seqs}
-        drafts = {sid: d for sid, (d, _) in proposals.items()}
+        drafts = self._propose_all(seqs)
 
         parts = []
         for seq in seqs:
@@ -222,11 +222,10 @@ class Engine:
             seq.stats.decode_seconds += dt / len(seqs)
             if draft is not None:
                 n_acc = seq.stats.last_accepted
-                st = self.spec_stats.setdefault(draft.spec_type, SpecTypeStats())
+                st = self._stats(draft.spec_type)
                 st.add(len(draft), n_acc)
-                st.draft_seconds += proposals[seq.seq_id][1]
                 st.verify_seconds += dt / len(seqs)
-                self.controller.observe_draft(draft.spec_type, len(draft), n_acc, proposals[seq.seq_id][1])
+                self.controller.observe_draft(draft.spec_type, len(draft), n_acc)
         return new
 
     def _prefill(self, seq: Sequence) -> None:
@@ -240,29 +239,55 @@ class Engine:
             seq.n_cached += n
         seq.stats.prompt_seconds += time.perf_counter() - t0
 
-    def _propose(self, seq: Sequence) -> tuple[Draft | None, float]:
-        """The chain's draft for the sequence, trimmed to what pays off, and the time it took."""
-        o = seq.spec or _NO_OVERRIDE
-        if not self.chain or seq.spec_error is not None or o.types == ():
-            return None, 0.0
-        c = self.config
+    def _stats(self, spec_type: str) -> SpecTypeStats:
+        return self.spec_stats.setdefault(spec_type, SpecTypeStats())
+
+    def _limits(self, seq: Sequence) -> DraftLimits:
+        o, c = seq.spec or _NO_OVERRIDE, self.config
         room = min(c.n_ctx - len(seq.tokens) - 1, seq.max_new_tokens - seq.n_generated - 1)
-        limits = DraftLimits(min(c.draft_n_max if o.n_max is None else o.n_max, room),
-                             c.draft_n_min if o.n_min is None else o.n_min, c.draft_p_min if o.p_min is None else o.p_min)
-        t0 = time.perf_counter()
-        draft = self._spec_call(seq, self.chain.propose, seq.view(), limits, o.types)
-        seconds = time.perf_counter() - t0
-        seq.stats.draft_seconds += seconds
-        if draft is None or len(draft) < max(1, limits.n_min):
-            return None, seconds
-        keep = self.controller.best_length(draft.spec_type, len(draft))
-        if keep == 0:
-            self.spec_stats.setdefault(draft.spec_type, SpecTypeStats()).declined += 1
-            seq.stats.n_declined += 1
-            return None, seconds
-        if keep < len(draft):
-            draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
-        return draft, seconds
+        return DraftLimits(min(c.draft_n_max if o.n_max is None else o.n_max, room),
+                           c.draft_n_min if o.n_min is None else o.n_min, c.draft_p_min if o.p_min is None else o.p_min)
+
+    def _plan(self, request: DraftRequest, spec_type: str) -> DraftLimits:
+        """The limits a speculator is asked with: its n_max cut to what pays for the draft's own
+        cost and its verification (0: it is not asked, the next one of the chain is)."""
+        k = self.controller.plan(spec_type, request.limits.n_max)
+        if k <= 0:
+            self._stats(spec_type).declined += 1
+            self.sequences[request.seq.seq_id].stats.n_declined += 1
+        return request.limits if k == request.limits.n_max else attrs.evolve(request.limits, n_max=k)
+
+    def _propose_all(self, seqs: list[Sequence]) -> dict[int, Draft | None]:
+        """The chain's drafts for all sequences in one batched call, trimmed to what pays off."""
+        drafts: dict[int, Draft | None] = {seq.seq_id: None for seq in seqs}
+        asking = [seq for seq in seqs if self.chain and seq.spec_error is None and (seq.spec or _NO_OVERRIDE).types != ()]
+        requests = [DraftRequest(seq.view(), self._limits(seq)) for seq in asking]
+        if not requests:
+            return drafts
+        only = [(seq.spec or _NO_OVERRIDE).types for seq in asking]
+        proposals = self.chain.propose_batch(requests, only, self._plan if self.controller.enabled else None)
+        for seq, request, p in zip(asking, requests, proposals):
+            for spec_type, seconds, n_tokens in p.costs:
+                seq.stats.draft_seconds += seconds
+                st = self._stats(spec_type)
+                st.draft_seconds += seconds
+                st.produced += n_tokens
+                self.controller.observe_cost(spec_type, seconds, n_tokens)
+            if p.error is not None:  # a speculator raised: this sequence goes on without speculation
+                seq.spec_error = f"{type(p.error).__name__}: {p.error}"
+                continue
+            draft = p.draft
+            if draft is None or len(draft) < max(1, request.limits.n_min):
+                continue
+            keep = self.controller.best_length(draft.spec_type, len(draft))
+            if keep < len(draft):
+                draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
+            drafts[seq.seq_id] = draft
+        return drafts
+
+    def _propose(self, seq: Sequence) -> Draft | None:
+        """The chain's draft for one sequence (as a step makes it)."""
+        return self._propose_all([seq])[seq.seq_id]
 
     def _verify(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor, hidden: dict, n_rows: int) -> list[int]:
         n_before = len(seq.tokens)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import pluggy
 
-from speculant.types import Draft, DraftLimits, SequenceView
+from speculant.types import Draft, DraftLimits, DraftRequest, SequenceView
 
 hookspec = pluggy.HookspecMarker("speculant")
 hookimpl = pluggy.HookimplMarker("speculant")
@@ -64,6 +64,30 @@ class SpeculatorSpec:
     def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
         """Draft at most ``limits.n_max`` tokens to follow ``seq.tokens``. Return None when there
         is nothing to propose, so the next speculator in the chain is asked."""
+
+    @hookspec(firstresult=True)
+    def propose_batch(self, requests: list[DraftRequest]) -> list[Draft | None] | None:
+        """Optional, instead of ``propose``: draft for several sequences at once.
+
+        Each step the engine asks the chain for a draft for every active sequence together. A
+        speculator that implements this hook gets, in one call, the requests of all sequences
+        still without a draft that it may serve (``request.seq``, ``request.limits``, the same
+        as ``propose``'s arguments), so it can batch its work across sequences: a draft model
+        runs one forward per draft step for all of them instead of one per sequence. A
+        speculator with only ``propose`` is asked once per sequence, as before.
+
+        Return a list with one entry per request, in the requests' order: a :class:`Draft` of
+        at most ``request.limits.n_max`` tokens (longer ones are cut), or None when there is
+        nothing to propose for that sequence, so the next speculator of the chain is asked for
+        it. Chain semantics are per sequence, as with ``propose``: each sequence gets the first
+        non-empty draft in chain order; an empty Draft answers for the sequence with no draft
+        (the rest of the chain is not asked for it). A speculator is never asked for a sequence
+        whose request restricts the spec types (a server request's ``speculative.type``) to
+        others. Returning None instead of a list means nothing for any request.
+
+        If the call raises, speculation is turned off for every sequence of the call (they go
+        on with plain decoding); the other sequences are unaffected. When a speculator
+        implements both hooks, the chain uses this one."""
 
     @hookspec
     def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict[int, Any]) -> None:

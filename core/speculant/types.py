@@ -86,6 +86,15 @@ class DraftLimits:
 
 
 @attrs.frozen
+class DraftRequest:
+    """One sequence's part of a batched proposal (the ``propose_batch`` hook): its history and
+    the limits for its draft, exactly what ``propose(seq, limits)`` gets for one sequence."""
+
+    seq: "SequenceView"
+    limits: DraftLimits
+
+
+@attrs.frozen
 class SequenceView:
     """What a speculator sees of a sequence: its id, full token history (prompt + generated),
     and how many of those tokens were the prompt. The history is a read-only tuple."""
