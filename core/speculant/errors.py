@@ -11,3 +11,8 @@ class ModelFileError(SpeculantError):
 
 class LimitError(SpeculantError):
     """A request exceeds a limit (context length, token budget)."""
+
+
+class DeviceUnavailable(SpeculantError):
+    """A backend's device is missing here (no GPU, no driver). Raised by the backend's constructor;
+    the message says what is missing."""
