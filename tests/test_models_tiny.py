@@ -362,7 +362,7 @@ def _order_probe(k: int, rows: int) -> float:
     partial sum, so the result tells the order in which the kernel accumulated row 0."""
     x = torch.ones(rows, k)
     x[:, 3], x[:, k - 5] = 2.0**30, -(2.0**30)
-    lin = CpuBackend().linear(types.SimpleNamespace(data=np.ones((16, k), np.float32), qtype=Q.F32, shape=(16, k)))
+    lin = CpuBackend(use_native=False).linear(types.SimpleNamespace(data=np.ones((16, k), np.float32), qtype=Q.F32, shape=(16, k)))
     return lin(x)[0, 0].item()
 
 
@@ -378,7 +378,7 @@ def test_cpu_int4_linear_is_batch_invariant():
         # Q4_0 blocks of (9 - 8) * 1.0: f16 d=1, then 16 bytes of nibbles 9
         block = np.concatenate([np.frombuffer(np.float16(1.0).tobytes(), np.uint8), np.full(16, 0x99, np.uint8)])
         info = types.SimpleNamespace(data=np.tile(block, (16, k // 32)), qtype=Q.Q4_0, shape=(16, k))
-        lin = CpuBackend().linear(info)
+        lin = CpuBackend(use_native=False).linear(info)
         assert type(lin).__name__ == "Int4Linear"
         results = set()
         for rows in (1, 2, 3, 4, 8, 16, 64):

@@ -9,6 +9,8 @@ from gguf import GGMLQuantizationType as Q
 
 from speculant.gguf.quants import dequantize, dequantize_rows, unpack_q4_groups
 
+from speculant_cpu import native
+
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
 GROUP = 32
 # Rows per sequence up to which attention runs one query row at a time. Per-row attention sees
@@ -59,6 +61,28 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
 
+class NativeLinear:
+    """y = x @ W.T (+ b) by the native fused kernels, W read in its GGUF format straight from the
+    file's memory map (no copy: resident memory stays about the size of the file). x is quantized
+    per call to 8 bits as llama.cpp does (Q8_K or Q8_0), so results track llama.cpp's closely."""
+
+    uses_mapping = True  # the loader must not release this tensor's pages
+
+    def __init__(self, lib, info, bias):
+        self.lib, self.qtype = lib, int(info.qtype)
+        self.raw = info.data  # keeps the mapping alive
+        self.out_features, self.in_features = info.shape
+        lib.spk_prefault(self.raw.ctypes.data, self.raw.nbytes)  # fault the pages in now, not in the first forward
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float32).contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        self.lib.spk_linear(self.qtype, self.raw.ctypes.data, self.out_features, self.in_features,
+                            x.data_ptr(), x.shape[0], y.data_ptr())
+        return y if self.bias is None else y + self.bias
+
+
 class DenseLinear:
     """y = x @ W.T (+ b) with W dequantized once to bf16, computed in fixed 16-row tiles."""
 
@@ -89,13 +113,20 @@ class CpuBackend:
     device = torch.device("cpu")
     kv_dtype = torch.float32
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, use_native: bool | None = None):
         threads = threads or int(os.environ.get("SPECULANT_THREADS", "0")) or os.cpu_count() or 1
         torch.set_num_threads(threads)
+        if use_native is None:
+            use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
+        self.native = native.load() if use_native else None
+        if self.native is not None:
+            self.native.spk_set_threads(threads)
 
     def linear(self, weight, bias=None):
         b = None if bias is None else self.tensor(bias)
         rows, cols = weight.shape
+        if self.native is not None and self.native.spk_supports(int(weight.qtype), cols):
+            return NativeLinear(self.native, weight, b)
         if weight.qtype in INT4_TYPES and cols % GROUP == 0 and rows % 16 == 0:  # the pack's own constraints
             return Int4Linear(weight, b)
         return DenseLinear(weight, b)

@@ -22,7 +22,8 @@ class WeightLoader:
 
     def _convert(self, convert, info):
         out = convert(info)
-        self.gguf.release(info)
+        if not getattr(out, "uses_mapping", False):  # the backend made its own copy
+            self.gguf.release(info)
         return out
 
     def linear(self, name: str, bias: str | None = None):

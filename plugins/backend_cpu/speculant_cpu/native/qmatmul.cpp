@@ -1,0 +1,512 @@
+// Fused dequantize-and-multiply kernels for GGUF weights on x86 CPUs with AVX-512 VNNI.
+//
+// y[m, n] = x[m, k] @ W[n, k]^T, with W left in its GGUF block format (read straight from the
+// file's memory map) and x quantized per call the way llama.cpp's CPU backend does it: to
+// Q8_K (blocks of 256, float scale) for the K-quants and to Q8_0 (blocks of 32, fp16 scale) for
+// Q8_0 and Q5_0. Dot products are exact integer sums per block, scaled and accumulated in fp32.
+//
+// Batch invariance: every output y[i, r] is computed by the same instruction sequence whatever
+// m is and wherever row i falls in a tile; rows only share the decoded weights. So a row's
+// result does not depend on how many rows are computed with it (the engine's exactness needs it).
+//
+// Called through ctypes (no Python or torch headers: it builds in about a second). Threads come
+// from a small pool of our own; the caller runs a share of the work too.
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
+#error "speculant's native kernels need AVX-512 F/BW/VL/VNNI and F16C"
+#endif
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// GGML type ids (ggml.h)
+enum : int { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+
+struct BlockQ4K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ6K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
+static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ6K) == 210 && sizeof(BlockQ8_0) == 34 &&
+              sizeof(BlockQ5_0) == 22 && sizeof(BlockQ4_0) == 18, "GGUF block sizes");
+
+inline float f16(uint16_t h) { return _cvtsh_ss(h); }
+
+// ---------------------------------------------------------------------------------------------
+// Quantized activations. One buffer per call, rows of nb blocks.
+struct Act {
+    int nb = 0;                 // blocks per row
+    int bsize = 0;              // 256 (Q8_K) or 32 (Q8_0)
+    std::vector<int8_t> qs;     // [m, nb, bsize]
+    std::vector<float> d;       // [m, nb]
+    std::vector<int16_t> bs16;  // Q8_K: sums of each 16 values [m, nb, 16]
+    std::vector<int16_t> bs32;  // Q8_K: sums of each 32 values [m, nb, 8]
+};
+
+// llama.cpp's quantize_row_q8_K: the value of largest magnitude maps to -127, round to nearest
+// even. `q4k_order` stores each 128 values as [0..31, 64..95, 32..63, 96..127] so that a 64-byte
+// load lines up with the low or high nibbles of a Q4_K block's 64 packed bytes.
+void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float* d, int16_t* bs16, int16_t* bs32) {
+    for (int b = 0; b < nb; ++b, x += 256) {
+        float amax = 0.f, max = 0.f;
+        for (int j = 0; j < 256; ++j) {
+            float ax = std::fabs(x[j]);
+            if (ax > amax) { amax = ax; max = x[j]; }
+        }
+        int8_t q[256];
+        if (amax == 0.f) {
+            std::memset(q, 0, 256);
+            d[b] = 0.f;
+        } else {
+            const float iscale = -127.f / max;
+            for (int j = 0; j < 256; ++j) {
+                int v = (int)std::nearbyint(iscale * x[j]);
+                q[j] = (int8_t)std::min(127, v);
+            }
+            d[b] = 1.f / iscale;
+        }
+        for (int g = 0; g < 16; ++g) {
+            int s = 0;
+            for (int j = 0; j < 16; ++j) s += q[16 * g + j];
+            bs16[16 * b + g] = (int16_t)s;
+        }
+        for (int g = 0; g < 8; ++g) bs32[8 * b + g] = (int16_t)(bs16[16 * b + 2 * g] + bs16[16 * b + 2 * g + 1]);
+        int8_t* out = qs + 256 * b;
+        if (q4k_order) {
+            for (int h = 0; h < 2; ++h) {
+                const int8_t* src = q + 128 * h;
+                int8_t* dst = out + 128 * h;
+                std::memcpy(dst, src, 32);
+                std::memcpy(dst + 32, src + 64, 32);
+                std::memcpy(dst + 64, src + 32, 32);
+                std::memcpy(dst + 96, src + 96, 32);
+            }
+        } else {
+            std::memcpy(out, q, 256);
+        }
+    }
+}
+
+// llama.cpp's x86 quantize_row_q8_0: scale amax/127 stored as fp16, values x*127/amax rounded
+// to nearest even.
+void quantize_q80_row(const float* x, int nb, int8_t* qs, float* d) {
+    for (int b = 0; b < nb; ++b, x += 32) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const float id = amax != 0.f ? 127.f / amax : 0.f;
+        for (int j = 0; j < 32; ++j) qs[32 * b + j] = (int8_t)(int)std::nearbyint(x[j] * id);
+        d[b] = f16(_cvtss_sh(amax / 127.f, _MM_FROUND_TO_NEAREST_INT));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels: one weight row against NR activation rows. fs/ms are per-row accumulators.
+
+inline float hsum128(__m128 v) {
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+
+// Index vectors giving each zmm of a Q4_K block its two sub-block scales: zmm z pairs sub-blocks
+// (0,2), (1,3), (4,6), (5,7); int16 lanes 0..15 take the first, 16..31 the second.
+struct Q4Idx {
+    __m512i idx[4];
+    Q4Idx() {
+        const int first[4] = {0, 1, 4, 5};
+        for (int z = 0; z < 4; ++z) {
+            alignas(64) int16_t v[32];
+            for (int t = 0; t < 32; ++t) v[t] = (int16_t)(first[z] + (t < 16 ? 0 : 2));
+            idx[z] = _mm512_load_si512(v);
+        }
+    }
+};
+
+const Q4Idx Q4;
+
+template <int NR>
+void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    __m512 fs[NR];
+    __m128 ms[NR];
+    for (int i = 0; i < NR; ++i) { fs[i] = _mm512_setzero_ps(); ms[i] = _mm_setzero_ps(); }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; ++b) {
+        const BlockQ4K& blk = w[b];
+        const float d = f16(blk.d), dmin = f16(blk.dmin);
+        // The 12 packed bytes hold eight 6-bit scales and eight 6-bit mins; unpack them with
+        // three 32-bit words into [sc0..sc7, mn0..mn7], then spread with one permute per zmm.
+        uint32_t u[4];
+        std::memcpy(u, blk.scales, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+        u[2] = mins_lo;
+        u[0] &= 0x3f3f3f3f;
+        // (built in registers: loading u back through memory would stall on store forwarding)
+        const __m256i sm = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        const __m512i smz = _mm512_castsi256_si512(sm);
+        const __m512i s0 = _mm512_permutexvar_epi16(Q4.idx[0], smz), s1 = _mm512_permutexvar_epi16(Q4.idx[1], smz);
+        const __m512i s2 = _mm512_permutexvar_epi16(Q4.idx[2], smz), s3 = _mm512_permutexvar_epi16(Q4.idx[3], smz);
+        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
+        const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+        const __m512i lo1 = _mm512_and_si512(q1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        for (int i = 0; i < NR; ++i) {
+            const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+            const int8_t* xq = a.qs.data() + ab * 256;
+            __m512i acc = _mm512_madd_epi16(_mm512_maddubs_epi16(lo0, _mm512_loadu_si512(xq)), s0);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(hi0, _mm512_loadu_si512(xq + 64)), s1);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(lo1, _mm512_loadu_si512(xq + 128)), s2);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(hi1, _mm512_loadu_si512(xq + 192)), s3);
+            const float dx = a.d[ab];
+            fs[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * dx), fs[i]);
+            const __m128i bs = _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8));
+            ms[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs)), _mm_set1_ps(dmin * dx), ms[i]);
+        }
+    }
+    for (int i = 0; i < NR; ++i) y[i * ldy] = _mm512_reduce_add_ps(fs[i]) - hsum128(ms[i]);
+}
+
+// Index vectors spreading 16 int16 scales over the 4 zmm of a Q6_K block: zmm g, int16 lane t
+// (bytes 2t, 2t+1 = values 64g + 2t, +1) takes scale 4g + t/8.
+struct Q6Idx {
+    __m512i idx[4];
+    Q6Idx() {
+        for (int g = 0; g < 4; ++g) {
+            alignas(64) int16_t v[32];
+            for (int t = 0; t < 32; ++t) v[t] = (int16_t)(4 * g + t / 8);
+            idx[g] = _mm512_load_si512(v);
+        }
+    }
+};
+
+const Q6Idx Q6;
+
+template <int NR>
+void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    __m512 fs[NR];
+    for (int i = 0; i < NR; ++i) fs[i] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    for (int b = 0; b < nb; ++b) {
+        const BlockQ6K& blk = w[b];
+        const float d = f16(blk.d);
+        __m512i q[4];
+        for (int h = 0; h < 2; ++h) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk.qh + 32 * h));
+            const __m512i qhz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            const __m512i ql = _mm512_loadu_si512(blk.ql + 64 * h);
+            const __m512i ha = _mm512_slli_epi16(_mm512_and_si512(qhz, m3), 4);
+            const __m512i hb = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhz, 4), m3), 4);
+            q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), ha);
+            q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hb);
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
+        const __m512i sc16z = _mm512_castsi256_si512(sc16);
+        __m512i s[4];
+        for (int g = 0; g < 4; ++g) s[g] = _mm512_permutexvar_epi16(Q6.idx[g], sc16z);
+        for (int i = 0; i < NR; ++i) {
+            const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+            const int8_t* xq = a.qs.data() + ab * 256;
+            __m512i acc = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], _mm512_loadu_si512(xq)), s[0]);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[1], _mm512_loadu_si512(xq + 64)), s[1]);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[2], _mm512_loadu_si512(xq + 128)), s[2]);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[3], _mm512_loadu_si512(xq + 192)), s[3]);
+            // The stored values are q + 32: subtract 32 * sum_g scale_g * sum(x in group g).
+            const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
+            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+            acc = _mm512_sub_epi32(acc, _mm512_zextsi256_si512(corr));
+            fs[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * a.d[ab]), fs[i]);
+        }
+    }
+    for (int i = 0; i < NR; ++i) y[i * ldy] = _mm512_reduce_add_ps(fs[i]);
+}
+
+// Blocks of 32 with one fp16 scale (Q8_0, Q5_0, Q4_0): decode to signed bytes, then the same
+// sign trick llama.cpp uses (|w| as unsigned times x with w's sign) for VNNI's u8 x s8 product.
+inline __m256i decode32(const BlockQ8_0& blk) { return _mm256_loadu_si256((const __m256i*)blk.qs); }
+
+inline __m256i decode32(const BlockQ5_0& blk) {
+    const __m128i qs = _mm_loadu_si128((const __m128i*)blk.qs);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(qs, m4)),
+                                              _mm_and_si128(_mm_srli_epi16(qs, 4), m4), 1);
+    uint32_t qh;
+    std::memcpy(&qh, blk.qh, 4);
+    const __m256i hi = _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10));
+    return _mm256_sub_epi8(_mm256_or_si256(q, hi), _mm256_set1_epi8(16));
+}
+
+inline __m256i decode32(const BlockQ4_0& blk) {
+    const __m128i qs = _mm_loadu_si128((const __m128i*)blk.qs);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(qs, m4)),
+                                              _mm_and_si128(_mm_srli_epi16(qs, 4), m4), 1);
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+}
+
+template <class Block, int NR>
+void dot_b32(const Block* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    __m256 fs[NR];
+    for (int i = 0; i < NR; ++i) fs[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const __m256i q = decode32(w[b]);
+        const __m256i aq = _mm256_abs_epi8(q);
+        const float d = f16(w[b].d);
+        for (int i = 0; i < NR; ++i) {
+            const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+            const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(a.qs.data() + ab * 32)), q);
+            const __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, xs);
+            fs[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d * a.d[ab]), fs[i]);
+        }
+    }
+    for (int i = 0; i < NR; ++i) {
+        const __m128 v = _mm_add_ps(_mm256_castps256_ps128(fs[i]), _mm256_extractf128_ps(fs[i], 1));
+        y[i * ldy] = hsum128(v);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A pool of worker threads. Workers spin briefly between jobs (consecutive matmuls of a layer
+// follow each other within microseconds), then sleep on a condition variable.
+class Pool {
+  public:
+    explicit Pool(int n) { resize(n); }
+    ~Pool() { stop_workers(); }
+
+    int size() const { return (int)workers_.size() + 1; }
+
+    void resize(int n) {
+        stop_workers();
+        stop_ = false;
+        // Workers start from the current generation: one that starts late must still see the next job.
+        const uint64_t now = generation_.load();
+        for (int t = 1; t < std::max(1, n); ++t) workers_.emplace_back([this, t, now] { loop(t, now); });
+    }
+
+    template <class F>
+    void run(F&& f) {  // f(thread index, thread count) on every thread, the caller included
+        const int n = size();
+        if (n == 1) { f(0, 1); return; }
+        job_ = [&f, n](int t) { f(t, n); };
+        pending_.store(n - 1, std::memory_order_relaxed);
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            generation_.fetch_add(1, std::memory_order_release);
+        }
+        cv_.notify_all();
+        job_(0);
+        // Wait for the workers; yield the core after a while in case one of them needs it.
+        for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+            if (spins < 2000) _mm_pause();
+            else std::this_thread::yield();
+        }
+    }
+
+  private:
+    void loop(int t, uint64_t seen) {
+        for (;;) {
+            int spins = 0;
+            while (generation_.load(std::memory_order_acquire) == seen && !stop_.load()) {
+                if (++spins < 4000) { _mm_pause(); continue; }
+                std::unique_lock<std::mutex> lock(mu_);
+                cv_.wait(lock, [&] { return generation_.load() != seen || stop_.load(); });
+            }
+            if (stop_.load()) return;
+            seen = generation_.load(std::memory_order_acquire);
+            job_(t);
+            pending_.fetch_sub(1, std::memory_order_acq_rel);
+        }
+    }
+
+    void stop_workers() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        for (auto& w : workers_) w.join();
+        workers_.clear();
+    }
+
+    std::vector<std::thread> workers_;
+    std::function<void(int)> job_;
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<int> pending_{0};
+    std::atomic<bool> stop_{false};
+    std::mutex mu_;
+    std::condition_variable cv_;
+};
+
+Pool* g_pool = nullptr;
+std::mutex g_call_mu;  // one matmul at a time: the pool and the activation buffer are shared
+
+Pool& pool() {
+    if (!g_pool) g_pool = new Pool((int)std::max(1u, std::thread::hardware_concurrency()));
+    return *g_pool;
+}
+
+constexpr int ROW_CHUNK = 16;   // weight rows per work item
+constexpr int ACT_TILE = 64;    // activation rows per work item: keeps them in L2 while weights stream
+constexpr int NR_MAX = 8;       // activation rows sharing one decode of a weight block
+
+template <int NR>
+void dot_one(int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    switch (qtype) {
+        case T_Q4_K: dot_q4k<NR>((const BlockQ4K*)row, nb, a, i0, y, ldy); break;
+        case T_Q6_K: dot_q6k<NR>((const BlockQ6K*)row, nb, a, i0, y, ldy); break;
+        case T_Q8_0: dot_b32<BlockQ8_0, NR>((const BlockQ8_0*)row, nb, a, i0, y, ldy); break;
+        case T_Q5_0: dot_b32<BlockQ5_0, NR>((const BlockQ5_0*)row, nb, a, i0, y, ldy); break;
+        case T_Q4_0: dot_b32<BlockQ4_0, NR>((const BlockQ4_0*)row, nb, a, i0, y, ldy); break;
+    }
+}
+
+void dot_tile(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    switch (nr) {
+        case 1: dot_one<1>(qtype, row, nb, a, i0, y, ldy); break;
+        case 2: dot_one<2>(qtype, row, nb, a, i0, y, ldy); break;
+        case 3: dot_one<3>(qtype, row, nb, a, i0, y, ldy); break;
+        case 4: dot_one<4>(qtype, row, nb, a, i0, y, ldy); break;
+        case 5: dot_one<5>(qtype, row, nb, a, i0, y, ldy); break;
+        case 6: dot_one<6>(qtype, row, nb, a, i0, y, ldy); break;
+        case 7: dot_one<7>(qtype, row, nb, a, i0, y, ldy); break;
+        default: dot_one<8>(qtype, row, nb, a, i0, y, ldy); break;
+    }
+}
+
+size_t block_bytes(int qtype) {
+    switch (qtype) {
+        case T_Q4_K: return sizeof(BlockQ4K);
+        case T_Q6_K: return sizeof(BlockQ6K);
+        case T_Q8_0: return sizeof(BlockQ8_0);
+        case T_Q5_0: return sizeof(BlockQ5_0);
+        case T_Q4_0: return sizeof(BlockQ4_0);
+    }
+    return 0;
+}
+
+int block_values(int qtype) { return (qtype == T_Q4_K || qtype == T_Q6_K) ? 256 : 32; }
+
+Act g_act;
+
+}  // namespace
+
+extern "C" {
+
+int spk_abi_version() { return 1; }
+
+void spk_set_threads(int n) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    pool().resize(n);
+}
+
+int spk_threads() { return pool().size(); }
+
+// Does the library have a kernel for this GGML type and row length?
+int spk_supports(int qtype, int64_t k) {
+    return block_bytes(qtype) != 0 && k % block_values(qtype) == 0;
+}
+
+// y[m, n] (row stride n) = x[m, k] @ W^T where W holds n rows of k values in GGML type qtype.
+int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y) {
+    if (!spk_supports(qtype, k) || n <= 0 || m <= 0) return -1;
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    Pool& p = pool();
+    const int bv = block_values(qtype);
+    const int nb = (int)(k / bv);
+    const size_t row_bytes = nb * block_bytes(qtype);
+    Act& a = g_act;
+    a.nb = nb;
+    a.bsize = bv;
+    a.qs.resize((size_t)m * nb * bv);
+    a.d.resize((size_t)m * nb);
+    if (bv == 256) {
+        a.bs16.resize((size_t)m * nb * 16);
+        a.bs32.resize((size_t)m * nb * 8);
+    }
+    auto quantize = [&](int64_t i) {
+        if (bv == 256)
+            quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
+                             a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
+        else
+            quantize_q80_row(x + i * k, nb, a.qs.data() + i * nb * 32, a.d.data() + i * nb);
+    };
+    if (m < 4) {
+        for (int64_t i = 0; i < m; ++i) quantize(i);
+    } else {
+        std::atomic<int64_t> next{0};
+        p.run([&](int, int) {
+            for (int64_t i; (i = next.fetch_add(1)) < m;) quantize(i);
+        });
+    }
+
+    const uint8_t* W = (const uint8_t*)weights;
+    auto rows = [&](int64_t r0, int64_t r1, int64_t a0, int64_t a1) {
+        for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {
+            const int nr = (int)std::min<int64_t>(NR_MAX, a1 - i0);
+            for (int64_t r = r0; r < r1; ++r)
+                dot_tile(nr, qtype, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
+        }
+    };
+    if (m <= ACT_TILE) {
+        // Few rows: the weights stream from memory once. Each thread starts on its own span of
+        // weight rows and walks it chunk by chunk in order (one sequential stream, which the
+        // hardware prefetcher follows); a thread that finishes early helps with the others'
+        // spans, so a thread the OS descheduled does not hold up the call.
+        const int nt = p.size();
+        const int64_t n_chunks = (n + ROW_CHUNK - 1) / ROW_CHUNK;
+        std::vector<std::atomic<int64_t>> cursor(nt);
+        std::vector<int64_t> end(nt);
+        for (int s = 0; s < nt; ++s) {
+            cursor[s].store(n_chunks * s / nt);
+            end[s] = n_chunks * (s + 1) / nt;
+        }
+        p.run([&](int t, int) {
+            for (int k = 0; k < nt; ++k) {
+                const int s = (t + k) % nt;
+                for (int64_t c; (c = cursor[s].fetch_add(1)) < end[s];)
+                    rows(c * ROW_CHUNK, std::min(n, (c + 1) * ROW_CHUNK), 0, m);
+            }
+        });
+    } else {
+        // Many rows (a prompt): tiles of activation rows that stay in L2 against chunks of
+        // weight rows, handed out in order.
+        const int64_t n_chunks = (n + ROW_CHUNK - 1) / ROW_CHUNK;
+        const int64_t n_tiles = (m + ACT_TILE - 1) / ACT_TILE;
+        std::atomic<int64_t> next{0};
+        p.run([&](int, int) {
+            for (int64_t item; (item = next.fetch_add(1)) < n_chunks * n_tiles;) {
+                const int64_t tile = item / n_chunks, chunk = item % n_chunks;
+                rows(chunk * ROW_CHUNK, std::min(n, (chunk + 1) * ROW_CHUNK), tile * ACT_TILE, std::min(m, (tile + 1) * ACT_TILE));
+            }
+        });
+    }
+    return 0;
+}
+
+// Touch every page of [p, p + bytes) from all threads, so a model's first forward does not pay
+// for hundreds of thousands of page faults.
+void spk_prefault(const void* ptr, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    const volatile uint8_t* b = (const volatile uint8_t*)ptr;
+    std::atomic<int64_t> next{0};
+    const int64_t step = 1 << 20;
+    pool().run([&](int, int) {
+        for (int64_t off; (off = next.fetch_add(step)) < bytes;) {
+            const int64_t end = std::min(bytes, off + step);
+            for (int64_t o = off; o < end; o += 4096) (void)b[o];
+        }
+    });
+}
+
+}  // extern "C"

@@ -1,0 +1,87 @@
+"""The native fused kernels (speculant_cpu.native) against a float64 reference.
+
+The reference quantizes the activations the way llama.cpp does (Q8_K for the K-quants, Q8_0
+otherwise) and multiplies with the dequantized weights in float64, so the only difference left
+is float32 rounding of the kernel's accumulation. Each row must also come out bit-identical
+however many rows are computed with it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from speculant.gguf.quants import dequantize
+from speculant.testing.tiny_gguf import quantize
+from speculant_cpu import native
+
+lib = native.load()
+pytestmark = pytest.mark.skipif(lib is None, reason=f"native kernels unavailable here: {native.why_unavailable()}")
+
+K_QUANTS = {Q.Q4_K, Q.Q6_K}
+
+
+def q8k_reference(row: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_q8_K, dequantized (float64)."""
+    out = np.zeros(row.shape, np.float64)
+    for b in range(0, row.size, 256):
+        block = row[b : b + 256].astype(np.float32)
+        top = block[np.argmax(np.abs(block))]
+        if top == 0:
+            continue
+        iscale = np.float32(-127.0) / top
+        q = np.minimum(127, np.rint(iscale * block))
+        out[b : b + 256] = q * np.float64(np.float32(1.0) / iscale)
+    return out
+
+
+def q80_reference(row: np.ndarray) -> np.ndarray:
+    """llama.cpp's x86 quantize_row_q8_0, dequantized (float64)."""
+    out = np.zeros(row.shape, np.float64)
+    for b in range(0, row.size, 32):
+        block = row[b : b + 32].astype(np.float32)
+        amax = np.abs(block).max()
+        if amax == 0:
+            continue
+        d = np.float16(amax / np.float32(127.0))
+        out[b : b + 32] = np.rint(block * (np.float32(127.0) / amax)) * np.float64(np.float32(d))
+    return out
+
+
+def run(raw: np.ndarray, qtype: Q, n: int, k: int, x: np.ndarray) -> torch.Tensor:
+    x = np.ascontiguousarray(x, np.float32)
+    y = torch.empty(x.shape[0], n)
+    assert lib.spk_linear(int(qtype), raw.ctypes.data, n, k, x.ctypes.data, x.shape[0], y.data_ptr()) == 0
+    return y
+
+
+@pytest.mark.parametrize("qtype,n,k", [(Q.Q4_K, 48, 512), (Q.Q6_K, 40, 768), (Q.Q8_0, 33, 96),
+                                       (Q.Q5_0, 20, 160), (Q.Q4_0, 17, 64)])
+def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
+    rng = np.random.default_rng(int(qtype))
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    weights = dequantize(raw, qtype, (n, k)).double().numpy()
+    x = (rng.standard_normal((70, k)) * 3).astype(np.float32)
+    x[5] = 0.0  # an all-zero row quantizes to scale 0
+    quant = q8k_reference if qtype in K_QUANTS else q80_reference
+    expected = np.stack([quant(r) for r in x]) @ weights.T
+    alone = torch.cat([run(raw, qtype, n, k, x[i : i + 1]) for i in range(len(x))])
+    assert np.abs(alone.numpy() - expected).max() <= 2e-6 * np.abs(expected).max()
+    for m in (2, 3, 8, 9, 16, 70):  # tiles of 8 rows, their remainders, and the many-row path
+        assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows"
+
+
+def test_unsupported_shapes_are_refused():
+    assert not lib.spk_supports(int(Q.Q4_K), 320)  # not a whole number of 256-blocks
+    assert not lib.spk_supports(int(Q.Q2_K), 256)  # no kernel for this type
+    assert lib.spk_supports(int(Q.Q8_0), 96)
+
+
+def test_backend_uses_native_kernels_and_keeps_the_mapping():
+    from speculant_cpu.backend import CpuBackend, NativeLinear
+
+    raw = quantize(np.random.default_rng(0).standard_normal((32, 256)).astype(np.float32), Q.Q4_K)
+    info = type("Info", (), {"data": raw, "qtype": Q.Q4_K, "shape": (32, 256)})()
+    lin = CpuBackend().linear(info)
+    assert isinstance(lin, NativeLinear) and lin.uses_mapping
+    assert type(CpuBackend(use_native=False).linear(info)).__name__ == "Int4Linear"
