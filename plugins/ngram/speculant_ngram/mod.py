@@ -92,6 +92,10 @@ class _SeqInfo:
 
 class NgramMod:
     spec_type = "ngram-mod"
+    shared_across_sequences = True  # one pool for every sequence (the contract's isolation tests know)
+    contract_options = {"spec_ngram_mod_n_match": 4, "spec_ngram_mod_n_min": 1, "spec_ngram_mod_n_max": 8}
+    contract_xfail = {"test_truncate_forgets_the_cut": "pool entries are shared and cannot be taken back (as in "
+                                                       "llama.cpp): n-grams of the cut text still draft"}
 
     def __init__(self, config: SpeculatorConfig):
         self.n_match = int_option(config, "spec_ngram_mod_n_match", 24, 1, 1024)

@@ -13,6 +13,8 @@ from speculant_ngram._common import History, int_option, tokens_of
 
 class NgramSimple:
     spec_type = "ngram-simple"
+    # The plugin contract's texts repeat segments of 4-12 tokens: shorter n-grams make them draft.
+    contract_options = {"spec_ngram_simple_size_n": 3, "spec_ngram_simple_size_m": 8}
 
     def __init__(self, config: SpeculatorConfig):
         self.size_n = int_option(config, "spec_ngram_simple_size_n", 12, 1, 1024)
