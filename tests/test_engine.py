@@ -68,9 +68,10 @@ def test_speculation_gives_plain_tokens(params, model_cls):
 
 def test_recurrent_target_runs_checkpoint_path():
     truth = plain(ToyRecurrentModel())
-    spec = OracleSpeculator(truth, wrong_every=2)
+    # Two-token drafts, every fourth token wrong: drafts kept whole (discard) alternate with cut ones (restore).
+    spec = OracleSpeculator(truth, wrong_every=4, n=2)
     model = ToyRecurrentModel()
-    engine = Engine(model, EngineConfig(n_ctx=256), [spec])
+    engine = Engine(model, EngineConfig(n_ctx=256, adaptive=False), [spec])
     assert list(engine.generate(PROMPT, 40)) == truth
     actions = [a for kind, a in spec.calls if kind == "checkpoint"]
     assert "save" in actions and "restore" in actions and "discard" in actions

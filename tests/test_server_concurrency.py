@@ -87,7 +87,7 @@ async def _wait_idle(c, timeout=3.0):
 
 @aiotest
 async def test_disconnect_mid_stream_frees_the_slot(model):
-    engine = make_engine(model, speculators=[Slow(0.02)])
+    engine = make_engine(model, speculators=[Slow(0.02)], adaptive=False)
     async with serve(engine, n_slots=1) as c:
         url = str(c.make_url("/v1/chat/completions"))
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 200, "temperature": 0, "stream": True}
@@ -114,7 +114,7 @@ async def test_disconnect_mid_stream_frees_the_slot(model):
 
 @aiotest
 async def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_the_slot(model):
-    engine = make_engine(model, speculators=[Slow(0.02)])
+    engine = make_engine(model, speculators=[Slow(0.02)], adaptive=False)
     async with serve(engine, n_slots=1) as c:
         url = str(c.make_url("/completion"))
         async with aiohttp.ClientSession() as s:
@@ -127,7 +127,7 @@ async def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_the_slot
 @aiotest
 async def test_health_answers_within_100ms_during_a_long_generation(model):
     # Every engine step spins 30 ms in Python holding the GIL: the worst case for the event loop.
-    engine = make_engine(model, speculators=[Slow(0.03, spin=True)])
+    engine = make_engine(model, speculators=[Slow(0.03, spin=True)], adaptive=False)
     async with serve(engine, n_slots=1) as c:
         gen = asyncio.create_task(post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                                    "max_tokens": 60, "temperature": 0}))

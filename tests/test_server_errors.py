@@ -136,7 +136,7 @@ async def test_unknown_path_and_method_are_json_errors(model):
 
 @aiotest
 async def test_queue_full_is_503(model):
-    engine = make_engine(model, speculators=[Slow(0.02)])
+    engine = make_engine(model, speculators=[Slow(0.02)], adaptive=False)
     async with serve(engine, n_slots=1, queue_size=1) as c:
         import asyncio
 

@@ -60,7 +60,8 @@ class Lookup:
 
 class Slow:
     """No drafts; makes every engine step take `seconds`: sleeping (GIL released) or spinning in
-    Python (GIL held, the worst case for the event loop)."""
+    Python (GIL held, the worst case for the event loop). Use it with adaptive=False: the adaptive
+    controller soon stops asking a speculator that costs time and drafts nothing."""
 
     def __init__(self, seconds=0.02, spin=False, spec_type="test-slow"):
         self.seconds, self.spin, self.spec_type = seconds, spin, spec_type

@@ -120,10 +120,13 @@ class DraftLengthController:
         c = self.costs.get(spec_type)
         return 0.0 if c is None else c.per_token()
 
-    def _best(self, spec_type: str, n: int, cost_per_token: float) -> int | None:
-        """argmax over k in 0..n of E(k) / T(k); None before the forward cost is known."""
+    def _best(self, spec_type: str, n: int, cost_per_token: float, optimistic: bool = False) -> int | None:
+        """argmax over k in 0..n of E(k) / T(k); None before the forward cost is known. With
+        `optimistic`, a verification whose cost is not known yet is taken to cost what a plain
+        step does (a lower bound): a draft that does not pay even then is declined, any other
+        is verified and so measured."""
         t1 = self.forward.cost(1)
-        if t1 is None or self.forward.cost(2) is None:
+        if t1 is None or (self.forward.cost(2) is None and not optimistic):
             return None
         acc = self.acceptance.get(spec_type, Acceptance())
         best_k, best_rate = 0, 1.0 / t1
@@ -131,7 +134,8 @@ class DraftLengthController:
         for k in range(1, n + 1):
             p *= acc.alpha(k - 1)
             expected += p
-            rate = expected / (self.forward.cost(1 + k) + cost_per_token * k)
+            t = self.forward.cost(1 + k)
+            rate = expected / ((t1 if t is None else t) + cost_per_token * k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -142,7 +146,7 @@ class DraftLengthController:
             return n_max
         if not self.forward.seconds:
             return 0  # nothing measured yet: one plain step gives the cost all drafts are compared with
-        k = self._best(spec_type, n_max, self.draft_cost(spec_type))
+        k = self._best(spec_type, n_max, self.draft_cost(spec_type), optimistic=True)
         if k is None:
             return n_max  # learn: verify and measure
         if k == 0:

@@ -57,6 +57,7 @@ def run_once(model, prompt: list[int], n_max: int, config, speculators) -> dict:
         "decode_tok_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
         "drafts": sum(s.drafts for s in stats.values()), "drafted": sum(s.drafted for s in stats.values()),
         "accepted": sum(s.accepted for s in stats.values()), "declined": sum(s.declined for s in stats.values()),
+        "produced": sum(s.produced for s in stats.values()),
         "draft_s": sum(s.draft_seconds for s in stats.values()), "verify_s": sum(s.verify_seconds for s in stats.values()),
         "decode_s": decode_s, "hook_s": engine.chain.hook_seconds,
         "accepted_at": {name: s.accepted_at for name, s in stats.items()},
@@ -113,13 +114,14 @@ def run_bench(args, load) -> int:
     print(f"model {os.path.basename(args.model)}  load {load_s:.2f} s  peak RSS {peak / 2**30:.2f} GiB "
           f"({peak / file_bytes:.2f}x file)  threads {torch.get_num_threads()}  repeats {args.repeats}")
     print(f"{'workload':<18} {'spec':<26} {'gen':>4} {'prompt t/s':>10} {'decode t/s':>10} {'speedup':>7} "
-          f"{'accept':>6} {'mean len':>8} {'declined':>8} {'draft/verify s':>14} {'same':>4}")
+          f"{'accept':>6} {'mean len':>8} {'declined':>8} {'draft/verify s':>14} {'draft ms/tok':>12} {'same':>4}")
     for r in rows:
         rate = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
         mean_len = 1 + r["accepted"] / r["drafts"] if r["drafts"] else 1.0
+        per_token = 1000 * r["draft_s"] / r["produced"] if r["produced"] else 0.0  # calls without a draft included
         print(f"{r['workload']:<18} {r['spec']:<26} {r['completion_tokens']:>4} {r['prompt_tok_s']:>10.1f} "
               f"{r['decode_tok_s']:>10.2f} {r['speedup']:>6.2f}x {100 * rate:>5.0f}% {mean_len:>8.2f} {r['declined']:>8} "
-              f"{r['draft_s']:>6.2f}/{r['verify_s']:<7.2f} {'yes' if r['identical'] else 'NO':>4}")
+              f"{r['draft_s']:>6.2f}/{r['verify_s']:<7.2f} {per_token:>12.2f} {'yes' if r['identical'] else 'NO':>4}")
     if args.json:
         summary = {"model": os.path.basename(args.model), "load_s": load_s, "file_bytes": file_bytes,
                    "peak_rss_after_load_bytes": rss_after_load, "peak_rss_bytes": peak,

@@ -65,12 +65,14 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-type", default=None, help="comma list of speculators, tried in this order (default: none); "
                    "bench compares several lists separated by ';'")
     g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
-                   help="draft model .gguf for model-based speculators")
-    g.add_argument("--spec-draft-n-max", type=_int(0, 64), default=16,
+                   help="draft model .gguf for model-based speculators (draft-simple), with the target's vocabulary")
+    g.add_argument("--spec-draft-n-max", "--draft-max", dest="spec_draft_n_max", type=_int(0, 64), default=16,
                    help="most tokens verified per step, for every spec type (default 16, at most 64)")
-    g.add_argument("--spec-draft-n-min", type=_int(0, 64), default=0, help="drop drafts shorter than this (default 0)")
-    g.add_argument("--spec-draft-p-min", type=_float("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.0,
-                   help="model drafters stop below this confidence (default 0)")
+    g.add_argument("--spec-draft-n-min", "--draft-min", dest="spec_draft_n_min", type=_int(0, 64), default=0,
+                   help="drop drafts shorter than this (default 0)")
+    g.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min",
+                   type=_float("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.0,
+                   help="model drafters stop below this confidence, the draft token's probability (default 0)")
     g.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
                    help="verify every draft in full instead of the length the cost model picks")
     default_registry().pm.hook.speculant_add_options(parser=g)

@@ -74,9 +74,9 @@ def cmd_serve(args) -> int:
         raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
 
     model = load(args)
+    config, speculators = engine_setup(args, model)  # a missing or incompatible draft model fails here
     configure_logging(args.log_format)  # only now: the checks above fail in one plain line
     log = structlog.get_logger("speculant.server")
-    config, speculators = engine_setup(args, model)
     engine = Engine(model, config, speculators)
     keys = tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip())
     defaults = Defaults(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed), args.n_predict)

@@ -24,7 +24,7 @@ import threading
 import attrs
 import torch
 
-from speculant import Batch, Draft, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model
+from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model
 from speculant.speculator import SpeculatorConfig
 
 from speculant_draft.vocab import vocab_mismatch
@@ -154,6 +154,11 @@ class DraftSimple:
                 a.state.good = 0
             raise
         return out
+
+    @hookimpl
+    def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
+        """One sequence alone (the chain uses propose_batch; this serves direct callers)."""
+        return self.propose_batch([DraftRequest(seq, limits)])[0]
 
     @hookimpl
     def truncate(self, seq: SequenceView, n: int) -> None:
