@@ -7,7 +7,10 @@ Two groups, both under the pluggy project name ``speculant``:
 * Speculator lifecycle hooks, called by the engine on the speculators of the active chain
   (``--spec-type a,b,c``). Each speculator object implements them as methods marked with
   ``speculant.hookimpl``; the engine keeps one small plugin manager per chain, so a call
-  reaches only the chain's speculators, in the user's order.
+  reaches only the chain's speculators, in the user's order. Each step the engine asks for
+  drafts for all active sequences at once: a speculator implements ``propose`` (one sequence
+  per call) or ``propose_batch`` (all the sequences it is asked for in one call, for drafters
+  that batch work across sequences, such as a draft model).
 """
 from __future__ import annotations
 
@@ -63,7 +66,13 @@ class SpeculatorSpec:
     @hookspec(firstresult=True)
     def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
         """Draft at most ``limits.n_max`` tokens to follow ``seq.tokens``. Return None when there
-        is nothing to propose, so the next speculator in the chain is asked."""
+        is nothing to propose, so the next speculator in the chain is asked.
+
+        ``limits.n_max`` may be smaller than the configured maximum: the engine's cost model
+        asks for only as many tokens as it expects to pay off (a speculator it expects not to
+        pay off at all is not asked). ``limits.n_min``: a shorter draft is not verified, so a
+        speculator may return None instead (llama.cpp's model drafters do). ``limits.p_min``:
+        model drafters stop where their next token's probability falls below it."""
 
     @hookspec(firstresult=True)
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft | None] | None:

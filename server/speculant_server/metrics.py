@@ -52,7 +52,7 @@ class ServerCollector:
         accepted = CounterMetricFamily(p + "spec_decode_num_accepted_tokens", "Number of draft tokens accepted, by spec type.",
                                        labels=["spec_type"])
         declined = CounterMetricFamily(p + "spec_decode_num_declined_drafts",
-                                       "Drafts not verified because the adaptive draft length chose 0, by spec type.",
+                                       "Times the adaptive draft length let a spec type draft nothing (it would not pay), by spec type.",
                                        labels=["spec_type"])
         per_pos = CounterMetricFamily(p + "spec_decode_num_accepted_tokens_per_pos",
                                       "Number of drafts whose token at this position was accepted, by spec type.",
