@@ -388,3 +388,32 @@ def test_costly_speculator_is_not_asked(none):
     # first measurements the speculator is only probed now and then
     assert spec.calls <= 4 + steps // PROBE_EVERY + 1
     assert engine.spec_stats["slow"].declined > steps // 2
+
+
+# --- the server ------------------------------------------------------------------------------------------
+def test_server_slots_share_the_draft_context(pair):
+    import asyncio
+
+    from test_server_util import aiotest, post, serve
+
+    words = ["def add", "class Model", "hello world", "return total", "print(values)", "import os", "for i in", "x = 1"]
+    bodies = [{"prompt": w, "n_predict": 12 + i, "temperature": 0} for i, w in enumerate(words)]
+    spec = make(pair)
+
+    @aiotest
+    async def run():
+        engine = Engine(pair.target, EngineConfig(n_ctx=256, adaptive=False), [spec])
+        async with serve(engine, n_slots=4, draft_model=pair.draft_path) as c:
+            alone = [await post(c, "/completion", b) for b in bodies]
+            together = await asyncio.gather(*(post(c, "/completion", b) for b in bodies))
+            props = await (await c.get("/props")).json()
+        return alone, together, props
+
+    alone, together, props = run()
+    assert [r[1]["content"] for r in together] == [r[1]["content"] for r in alone]
+    assert all(r[0] == 200 and r[1]["timings"]["draft_n"] > 0 for r in together)
+    want = [pair.target.tokenizer.decode(plain(pair.target, pair.target.tokenizer.encode(b["prompt"]), b["n_predict"]),
+                                         skip_special=True) for b in bodies]
+    assert [r[1]["content"] for r in alone] == want
+    assert spec.seqs == {} and spec.context.seqs == {}  # every finished request freed its draft rows
+    assert "draft_model" in str(props)
