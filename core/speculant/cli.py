@@ -75,7 +75,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="model drafters stop below this confidence, the draft token's probability (default 0)")
     g.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
                    help="verify every draft in full instead of the length the cost model picks")
-    default_registry().pm.hook.speculant_add_options(parser=g)
+    default_registry().add_options(g)
 
 
 def engine_setup(args, model):
@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     from speculant_server.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+
+    pl = sub.add_parser("plugins", help="list the installed plugins: kind, distribution, what they register, hooks")
+    pl.add_argument("--all", action="store_true", help="also those SPECULANT_PLUGINS / SPECULANT_DISABLE_PLUGINS kept out")
+    pl.add_argument("--json", action="store_true", help="JSON instead of the table")
     return parser
 
 
@@ -203,7 +207,17 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}
+def cmd_plugins(args) -> int:
+    import json
+
+    from speculant.plugins import default_registry, describe, format_table
+
+    rows = describe(default_registry(), include_disabled=args.all)
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "plugins": cmd_plugins}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad flag (2, already reported in one line)
         return e.code if isinstance(e.code, int) else 2
+    except SpeculantError as e:  # the plugins' flags could not be collected (two plugins claim one name, ...)
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[args.command](args)
     except SpeculantError as e:

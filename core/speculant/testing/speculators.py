@@ -40,7 +40,7 @@ CHI2_CRIT_19_DF = 51.2
 def plugin_options(registry) -> dict:
     """Every option's default as the CLI parses it (plugins add theirs through speculant_add_options)."""
     parser = argparse.ArgumentParser()
-    registry.pm.hook.speculant_add_options(parser=parser)
+    registry.add_options(parser)
     return vars(parser.parse_args([]))
 
 
