@@ -115,12 +115,16 @@ class CpuBackend:
 
     def __init__(self, threads: int | None = None, use_native: bool | None = None):
         threads = threads or int(os.environ.get("SPECULANT_THREADS", "0")) or os.cpu_count() or 1
-        torch.set_num_threads(threads)
         if use_native is None:
             use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
         self.native = native.load() if use_native else None
         if self.native is not None:
+            # The native kernels bring their own threads; torch keeps one, for the small ops
+            # between matmuls, so its idle workers do not compete with ours for the cores.
             self.native.spk_set_threads(threads)
+            torch.set_num_threads(1)
+        else:
+            torch.set_num_threads(threads)
 
     def linear(self, weight, bias=None):
         b = None if bias is None else self.tensor(bias)

@@ -113,6 +113,15 @@ void quantize_q80_row(const float* x, int nb, int8_t* qs, float* d) {
 // ---------------------------------------------------------------------------------------------
 // Kernels: one weight row against NR activation rows. fs/ms are per-row accumulators.
 
+// Software prefetch distance for the weight stream: the hardware prefetcher alone leaves a
+// single core at about half of its memory bandwidth on these kernels.
+constexpr int PREFETCH_BYTES = 4096;
+
+inline void prefetch(const void* block, int bytes) {
+    const char* p = (const char*)block + PREFETCH_BYTES;
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 inline float hsum128(__m128 v) {
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     v = _mm_add_ss(v, _mm_movehdup_ps(v));
@@ -143,6 +152,7 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
         const BlockQ4K& blk = w[b];
+        prefetch(&blk, sizeof(BlockQ4K));
         const float d = f16(blk.d), dmin = f16(blk.dmin);
         // The 12 packed bytes hold eight 6-bit scales and eight 6-bit mins; unpack them with
         // three 32-bit words into [sc0..sc7, mn0..mn7], then spread with one permute per zmm.
@@ -200,6 +210,7 @@ void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t 
     const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
     for (int b = 0; b < nb; ++b) {
         const BlockQ6K& blk = w[b];
+        prefetch(&blk, sizeof(BlockQ6K));
         const float d = f16(blk.d);
         __m512i q[4];
         for (int h = 0; h < 2; ++h) {
@@ -260,6 +271,7 @@ void dot_b32(const Block* w, int nb, const Act& a, int i0, float* y, int64_t ldy
     __m256 fs[NR];
     for (int i = 0; i < NR; ++i) fs[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
+        if (b % 2 == 0) prefetch(&w[b], 64);
         const __m256i q = decode32(w[b]);
         const __m256i aq = _mm256_abs_epi8(q);
         const float d = f16(w[b].d);
