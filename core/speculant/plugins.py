@@ -149,7 +149,7 @@ def load_registry(extra_plugins: list[tuple[str, Any]] = ()) -> Registry:
     for hook in vars(pm.hook).values():
         if isinstance(hook, pluggy.HookCaller) and not hook.has_spec():
             for impl in hook.get_hookimpls():
-                if not impl.hookimpl_opts.get("optionalhook"):
+                if not impl.optionalhook:
                     registry._fail(impl.plugin_name, f"unknown hook '{hook.name}' (not a speculant hook; misspelled?)")
 
     # Call each implementation ourselves (pluggy validated them) so every registration is
