@@ -77,10 +77,21 @@ def run_bench(args, load) -> int:
     """`load(args)` loads the model (the CLI's loader, with its error handling)."""
     from speculant.cli import engine_setup
 
+    if not args.workloads and not args.kernels:
+        raise SpeculantError("bench needs --workloads FILE... or --kernels")
     workloads = [w for path in args.workloads for w in load_workloads(path)]
     t0 = time.perf_counter()
     model = load(args)
     load_s = time.perf_counter() - t0
+    if args.kernels:
+        from speculant.kernel_bench import run_kernel_bench
+
+        print(f"model {os.path.basename(args.model)}  load {load_s:.2f} s")
+        result = run_kernel_bench(args, model)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": os.path.basename(args.model), "load_s": load_s, **result}, f, indent=2)
+        return 0
     rss_after_load = peak_rss_bytes()
     names = ["none", *(c.strip() for c in (args.spec_type or "").split(";") if c.strip())]
 

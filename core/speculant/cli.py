@@ -111,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="load time, peak memory and decode speed on workload files")
     add_model_args(b)
-    b.add_argument("--workloads", nargs="+", required=True, help="workload JSON files (messages are chat-templated)")
+    b.add_argument("--workloads", nargs="+", default=[], help="workload JSON files (messages are chat-templated)")
+    b.add_argument("--kernels", action="store_true",
+                   help="time one target forward over 1, 2, 4, 8 and 16 rows (the verification cost ratio) instead")
+    b.add_argument("--kernels-context", type=_int(0), default=256, metavar="N",
+                   help="--kernels: tokens already cached before the timed rows (default 256)")
     b.add_argument("-n", "--n-predict", type=_int(1), default=None, help="tokens per workload (default: its max_tokens)")
     b.add_argument("--repeats", type=_int(1), default=1, help="runs per workload; medians are reported (default 1)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
