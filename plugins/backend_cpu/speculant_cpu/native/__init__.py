@@ -1,6 +1,6 @@
 """Build and load the native kernels (qmatmul.cpp) at first use.
 
-The library is compiled with the machine's C++ compiler for this CPU (-march=native) and cached
+The library (qmatmul.cpp: the linear layers; attention.cpp: decode attention) is compiled with the machine's C++ compiler for this CPU (-march=native) and cached
 under ``$SPECULANT_CACHE`` (default ``~/.cache/speculant``) by a hash of the source, the compiler
 and the CPU flags, so a later start loads it in milliseconds. It is reached through ctypes: no
 Python or torch headers, so it builds in a couple of seconds. When there is no compiler, or the
@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("qmatmul.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "attention.cpp")]
 ABI_VERSION = 1
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
 
@@ -44,7 +44,8 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join(FLAGS).encode())
     key.update(subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.encode())
     key.update(_cpu_flags().encode())
@@ -56,11 +57,11 @@ def _build(compiler: str) -> Path:
     # load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    result = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+    result = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(tmp)
         first = next((l for l in result.stderr.splitlines() if "error" in l), result.stderr.strip()[:200])
-        raise RuntimeError(f"compiling {SOURCE.name} failed: {first}")
+        raise RuntimeError(f"compiling the native kernels failed: {first}")
     os.replace(tmp, target)
     return target
 
@@ -75,6 +76,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.spk_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.spk_linear.restype = ctypes.c_int
     lib.spk_prefault.argtypes = [ptr, i64]
+    c_int, c_float = ctypes.c_int, ctypes.c_float
+    lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr]
     return lib
 
 
