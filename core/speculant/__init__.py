@@ -11,7 +11,7 @@ from speculant.context import KVCache
 __all__ = [
     "Backend", "Batch", "Context", "DeviceUnavailable", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "KVCache", "LimitError",
     "Model", "ModelFileError", "ModelInfo", "RecurrentContext", "SequenceView", "SpeculantError",
-    "hookimpl", "hookspec", "load_model",
+    "SpeculatorConfig", "hookimpl", "hookspec", "load_model",
 ]
 
 
@@ -22,4 +22,8 @@ def __getattr__(name: str):
         from speculant.loader import load_model
 
         return load_model
+    if name == "SpeculatorConfig":  # what a speculator class is built with: cls(config)
+        from speculant.speculator import SpeculatorConfig
+
+        return SpeculatorConfig
     raise AttributeError(f"module 'speculant' has no attribute {name!r}")
