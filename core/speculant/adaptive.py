@@ -26,6 +26,7 @@ DECAY = 0.98  # per observation: acceptance estimates follow the last ~50 drafts
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0
 PROBE_EVERY = 16  # after this many declined drafts in a row, let one through to refresh the estimate
 PROBE_LENGTH = 2
+FIRST_DRAFT = 4  # most tokens a spec type drafts before its cost is known (a draft model pays per token)
 COST_DECAY = 0.9  # per observation of a speculator's cost: follows the last ~10 calls
 
 
@@ -146,6 +147,8 @@ class DraftLengthController:
             return n_max
         if not self.forward.seconds:
             return 0  # nothing measured yet: one plain step gives the cost all drafts are compared with
+        if spec_type not in self.costs:
+            return min(n_max, FIRST_DRAFT)  # a first, short draft measures what the speculator costs
         k = self._best(spec_type, n_max, self.draft_cost(spec_type), optimistic=True)
         if k is None:
             return n_max  # learn: verify and measure
