@@ -20,7 +20,7 @@ from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "attention.cpp")]
 ABI_VERSION = 1
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None

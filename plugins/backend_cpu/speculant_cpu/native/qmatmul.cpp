@@ -1,13 +1,21 @@
-// Fused dequantize-and-multiply kernels for GGUF weights on x86 CPUs with AVX-512 VNNI.
+// Fused dequantize-and-multiply kernels for GGUF weights on x86 CPUs with AVX-512 VNNI (and
+// AMX-INT8 where the CPU has it).
 //
 // y[m, n] = x[m, k] @ W[n, k]^T, with W left in its GGUF block format (read straight from the
 // file's memory map) and x quantized per call the way llama.cpp's CPU backend does it: to
 // Q8_K (blocks of 256, float scale) for the K-quants and to Q8_0 (blocks of 32, fp16 scale) for
 // Q8_0 and Q5_0. Dot products are exact integer sums per block, scaled and accumulated in fp32.
 //
-// Batch invariance: every output y[i, r] is computed by the same instruction sequence whatever
-// m is and wherever row i falls in a tile; rows only share the decoded weights. So a row's
-// result does not depend on how many rows are computed with it (the engine's exactness needs it).
+// Batch invariance: a row's result does not depend on how many rows are computed with it (the
+// engine's exactness needs it). For Q8_0/Q5_0/Q4_0 every output y[i, r] is computed by the same
+// instruction sequence whatever m is. Q4_K and Q6_K have two paths, AVX-512 VNNI for few rows and
+// AMX tiles for more (spk_linear picks by m), and they agree bit for bit because both compute,
+// per (weight row, activation row, 256-block), the same EXACT integers
+//   Q4_K: isum = sum_j sc_j * (sum_{i in sub-block j} q_i x_i),  msum = sum_j min_j * bsum32_j
+//   Q6_K: isum = sum_g sc_g * (sum_{i in g} q_i x_i) - 32 * sum_g sc_g * bsum16_g
+// and then the one canonical fp32 epilogue below (epilogue_q4k / epilogue_q6k), in block order:
+// scalar in the VNNI kernels, lane-wise in the AMX kernel. The library is built with
+// -ffp-contract=off so the compiler fuses neither into an FMA.
 //
 // Called through ctypes (no Python or torch headers: it builds in about a second). Threads come
 // from a small pool of our own; the caller runs a share of the work too.
@@ -17,11 +25,19 @@
 
 #include <immintrin.h>
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SPK_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -48,40 +64,50 @@ inline float f16(uint16_t h) { return _cvtsh_ss(h); }
 struct Act {
     int nb = 0;                 // blocks per row
     int bsize = 0;              // 256 (Q8_K) or 32 (Q8_0)
+    // VNNI layout
     std::vector<int8_t> qs;     // [m, nb, bsize]
     std::vector<float> d;       // [m, nb]
     std::vector<int16_t> bs16;  // Q8_K: sums of each 16 values [m, nb, 16]
     std::vector<int16_t> bs32;  // Q8_K: sums of each 32 values [m, nb, 8]
+    // AMX layout (Q8_K only): groups of 16 rows, the last one padded with zero rows.
+    std::vector<int8_t> bt;     // [group, nb, 64, 16, 4]: a tile B per block (value v of row i at [v/4][i][v%4])
+    std::vector<float> dt;      // [group, nb, 16]: scales, lane = row in the group
+    std::vector<int32_t> bp;    // [group, nb, 8, 16]: int16 pairs of block sums (Q4_K: bsum32, Q6_K: bsum16)
 };
 
-// llama.cpp's quantize_row_q8_K: the value of largest magnitude maps to -127, round to nearest
-// even. `q4k_order` stores each 128 values as [0..31, 64..95, 32..63, 96..127] so that a 64-byte
-// load lines up with the low or high nibbles of a Q4_K block's 64 packed bytes.
+// llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude maps to
+// -127, round to nearest even. q in natural order; bs16/bs32: sums of each 16 / 32 values.
+void quantize_q8k_block(const float* x, int8_t* q, float* d, int16_t* bs16, int16_t* bs32) {
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < 256; ++j) {
+        float ax = std::fabs(x[j]);
+        if (ax > amax) { amax = ax; max = x[j]; }
+    }
+    if (amax == 0.f) {
+        std::memset(q, 0, 256);
+        *d = 0.f;
+    } else {
+        const float iscale = -127.f / max;
+        for (int j = 0; j < 256; ++j) {
+            int v = (int)std::nearbyint(iscale * x[j]);
+            q[j] = (int8_t)std::min(127, v);
+        }
+        *d = 1.f / iscale;
+    }
+    for (int g = 0; g < 16; ++g) {
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += q[16 * g + j];
+        bs16[g] = (int16_t)s;
+    }
+    for (int g = 0; g < 8; ++g) bs32[g] = (int16_t)(bs16[2 * g] + bs16[2 * g + 1]);
+}
+
+// VNNI layout. `q4k_order` stores each 128 values as [0..31, 64..95, 32..63, 96..127] so that a
+// 64-byte load lines up with the low or high nibbles of a Q4_K block's 64 packed bytes.
 void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float* d, int16_t* bs16, int16_t* bs32) {
     for (int b = 0; b < nb; ++b, x += 256) {
-        float amax = 0.f, max = 0.f;
-        for (int j = 0; j < 256; ++j) {
-            float ax = std::fabs(x[j]);
-            if (ax > amax) { amax = ax; max = x[j]; }
-        }
         int8_t q[256];
-        if (amax == 0.f) {
-            std::memset(q, 0, 256);
-            d[b] = 0.f;
-        } else {
-            const float iscale = -127.f / max;
-            for (int j = 0; j < 256; ++j) {
-                int v = (int)std::nearbyint(iscale * x[j]);
-                q[j] = (int8_t)std::min(127, v);
-            }
-            d[b] = 1.f / iscale;
-        }
-        for (int g = 0; g < 16; ++g) {
-            int s = 0;
-            for (int j = 0; j < 16; ++j) s += q[16 * g + j];
-            bs16[16 * b + g] = (int16_t)s;
-        }
-        for (int g = 0; g < 8; ++g) bs32[8 * b + g] = (int16_t)(bs16[16 * b + 2 * g] + bs16[16 * b + 2 * g + 1]);
+        quantize_q8k_block(x, q, d + b, bs16 + 16 * b, bs32 + 8 * b);
         int8_t* out = qs + 256 * b;
         if (q4k_order) {
             for (int h = 0; h < 2; ++h) {
@@ -98,6 +124,28 @@ void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float*
     }
 }
 
+inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
+
+// AMX layout: row i of the call goes to lane i % 16 of group i / 16. x == nullptr: a zero row.
+void quantize_q8k_row_amx(const float* x, int nb, bool q4k, int64_t i, Act& a) {
+    const int64_t g = i / 16;
+    const int lane = (int)(i % 16);
+    for (int b = 0; b < nb; ++b) {
+        int8_t q[256];
+        float d = 0.f;
+        int16_t bs16[16] = {}, bs32[8] = {};
+        if (x) quantize_q8k_block(x + 256 * b, q, &d, bs16, bs32);
+        else std::memset(q, 0, 256);
+        const int64_t gb = g * nb + b;
+        int8_t* bt = a.bt.data() + gb * 4096 + 4 * lane;
+        for (int v = 0; v < 64; ++v) std::memcpy(bt + 64 * v, q + 4 * v, 4);
+        a.dt[gb * 16 + lane] = d;
+        int32_t* bp = a.bp.data() + gb * 128 + lane;
+        if (q4k) for (int p = 0; p < 4; ++p) bp[16 * p] = pair16(bs32[2 * p], bs32[2 * p + 1]);
+        else for (int p = 0; p < 8; ++p) bp[16 * p] = pair16(bs16[2 * p], bs16[2 * p + 1]);
+    }
+}
+
 // llama.cpp's x86 quantize_row_q8_0: scale amax/127 stored as fp16, values x*127/amax rounded
 // to nearest even.
 void quantize_q80_row(const float* x, int nb, int8_t* qs, float* d) {
@@ -111,7 +159,26 @@ void quantize_q80_row(const float* x, int nb, int8_t* qs, float* d) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Kernels: one weight row against NR activation rows. fs/ms are per-row accumulators.
+// The canonical K-quant epilogue: one block's exact integer sums into the fp32 accumulator of a
+// (weight row, activation row). The scalar and the lane-wise forms do the same IEEE operations in
+// the same order (no FMA: -ffp-contract=off), so they round identically. Integer range: |x| <=
+// 127; Q4_K: q <= 15, sc, min <= 63, so |isum| <= 8*63*32*15*127 = 30.7M and |msum| <= 8*63*32*127
+// = 2.0M; Q6_K: q <= 63, |sc| <= 128, so |isum| <= 16*128*16*63*127 + 32*16*128*16*127 = 395M:
+// all within int32. (float)isum rounds to nearest in both forms (cvtsi2ss / cvtdq2ps, MXCSR).
+inline float epilogue_q4k(float acc, float d, float dmin, float dx, int32_t isum, int32_t msum) {
+    return acc + ((d * dx) * (float)isum - (dmin * dx) * (float)msum);
+}
+inline __m512 epilogue_q4k(__m512 acc, __m512 d, __m512 dmin, __m512 dx, __m512i isum, __m512i msum) {
+    return _mm512_add_ps(acc, _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)),
+                                            _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum))));
+}
+inline float epilogue_q6k(float acc, float d, float dx, int32_t isum) { return acc + (d * dx) * (float)isum; }
+inline __m512 epilogue_q6k(__m512 acc, __m512 d, __m512 dx, __m512i isum) {
+    return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// VNNI kernels: one weight row against NR activation rows.
 
 // Software prefetch distance for the weight stream: the hardware prefetcher alone leaves a
 // single core at about half of its memory bandwidth on these kernels.
@@ -126,6 +193,25 @@ inline float hsum128(__m128 v) {
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     v = _mm_add_ss(v, _mm_movehdup_ps(v));
     return _mm_cvtss_f32(v);
+}
+
+inline __m128i fold512(__m512i v) {
+    const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// The 12 packed bytes of a Q4_K block hold eight 6-bit scales and eight 6-bit mins: unpacked
+// into [sc0..sc7, mn0..mn7] as 16 bytes.
+inline __m128i q4k_scales(const BlockQ4K& blk) {
+    uint32_t u[4];
+    std::memcpy(u, blk.scales, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins_lo;
+    u[0] &= 0x3f3f3f3f;
+    // (built in registers: loading u back through memory would stall on store forwarding)
+    return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
 }
 
 // Index vectors giving each zmm of a Q4_K block its two sub-block scales: zmm z pairs sub-blocks
@@ -146,25 +232,15 @@ const Q4Idx Q4;
 
 template <int NR>
 void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    __m512 fs[NR];
-    __m128 ms[NR];
-    for (int i = 0; i < NR; ++i) { fs[i] = _mm512_setzero_ps(); ms[i] = _mm_setzero_ps(); }
+    float s[NR];
+    for (int i = 0; i < NR; ++i) s[i] = 0.f;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
         const BlockQ4K& blk = w[b];
         prefetch(&blk, sizeof(BlockQ4K));
         const float d = f16(blk.d), dmin = f16(blk.dmin);
-        // The 12 packed bytes hold eight 6-bit scales and eight 6-bit mins; unpack them with
-        // three 32-bit words into [sc0..sc7, mn0..mn7], then spread with one permute per zmm.
-        uint32_t u[4];
-        std::memcpy(u, blk.scales, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
-        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = mins_lo;
-        u[0] &= 0x3f3f3f3f;
-        // (built in registers: loading u back through memory would stall on store forwarding)
-        const __m256i sm = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+        // spread the scales with one permute per zmm
+        const __m256i sm = _mm256_cvtepu8_epi16(q4k_scales(blk));
         const __m512i smz = _mm512_castsi256_si512(sm);
         const __m512i s0 = _mm512_permutexvar_epi16(Q4.idx[0], smz), s1 = _mm512_permutexvar_epi16(Q4.idx[1], smz);
         const __m512i s2 = _mm512_permutexvar_epi16(Q4.idx[2], smz), s3 = _mm512_permutexvar_epi16(Q4.idx[3], smz);
@@ -179,13 +255,14 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
             acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(hi0, _mm512_loadu_si512(xq + 64)), s1);
             acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(lo1, _mm512_loadu_si512(xq + 128)), s2);
             acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(hi1, _mm512_loadu_si512(xq + 192)), s3);
-            const float dx = a.d[ab];
-            fs[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * dx), fs[i]);
             const __m128i bs = _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8));
-            ms[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs)), _mm_set1_ps(dmin * dx), ms[i]);
+            // [isum partials] and [msum partials] folded together: lanes 0, 1 = isum, msum
+            __m128i h = _mm_hadd_epi32(fold512(acc), _mm_madd_epi16(mins, bs));
+            h = _mm_hadd_epi32(h, h);
+            s[i] = epilogue_q4k(s[i], d, dmin, a.d[ab], _mm_cvtsi128_si32(h), _mm_extract_epi32(h, 1));
         }
     }
-    for (int i = 0; i < NR; ++i) y[i * ldy] = _mm512_reduce_add_ps(fs[i]) - hsum128(ms[i]);
+    for (int i = 0; i < NR; ++i) y[i * ldy] = s[i];
 }
 
 // Index vectors spreading 16 int16 scales over the 4 zmm of a Q6_K block: zmm g, int16 lane t
@@ -203,44 +280,52 @@ struct Q6Idx {
 
 const Q6Idx Q6;
 
+// A Q6_K block's 256 6-bit values (stored as q + 32, 0..63) in natural order, 64 per zmm.
+inline void q6k_values(const BlockQ6K& blk, __m512i q[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk.qh + 32 * h));
+        const __m512i qhz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        const __m512i ql = _mm512_loadu_si512(blk.ql + 64 * h);
+        const __m512i ha = _mm512_slli_epi16(_mm512_and_si512(qhz, m3), 4);
+        const __m512i hb = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhz, 4), m3), 4);
+        q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), ha);
+        q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hb);
+    }
+}
+
 template <int NR>
 void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    __m512 fs[NR];
-    for (int i = 0; i < NR; ++i) fs[i] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
+    float s[NR];
+    for (int i = 0; i < NR; ++i) s[i] = 0.f;
     for (int b = 0; b < nb; ++b) {
         const BlockQ6K& blk = w[b];
         prefetch(&blk, sizeof(BlockQ6K));
         const float d = f16(blk.d);
         __m512i q[4];
-        for (int h = 0; h < 2; ++h) {
-            const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk.qh + 32 * h));
-            const __m512i qhz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-            const __m512i ql = _mm512_loadu_si512(blk.ql + 64 * h);
-            const __m512i ha = _mm512_slli_epi16(_mm512_and_si512(qhz, m3), 4);
-            const __m512i hb = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhz, 4), m3), 4);
-            q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), ha);
-            q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hb);
-        }
+        q6k_values(blk, q);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
         const __m512i sc16z = _mm512_castsi256_si512(sc16);
-        __m512i s[4];
-        for (int g = 0; g < 4; ++g) s[g] = _mm512_permutexvar_epi16(Q6.idx[g], sc16z);
+        __m512i sg[4];
+        for (int g = 0; g < 4; ++g) sg[g] = _mm512_permutexvar_epi16(Q6.idx[g], sc16z);
         for (int i = 0; i < NR; ++i) {
             const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
             const int8_t* xq = a.qs.data() + ab * 256;
-            __m512i acc = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], _mm512_loadu_si512(xq)), s[0]);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[1], _mm512_loadu_si512(xq + 64)), s[1]);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[2], _mm512_loadu_si512(xq + 128)), s[2]);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[3], _mm512_loadu_si512(xq + 192)), s[3]);
+            __m512i acc = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], _mm512_loadu_si512(xq)), sg[0]);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[1], _mm512_loadu_si512(xq + 64)), sg[1]);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[2], _mm512_loadu_si512(xq + 128)), sg[2]);
+            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[3], _mm512_loadu_si512(xq + 192)), sg[3]);
             // The stored values are q + 32: subtract 32 * sum_g scale_g * sum(x in group g).
             const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
             acc = _mm512_sub_epi32(acc, _mm512_zextsi256_si512(corr));
-            fs[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * a.d[ab]), fs[i]);
+            __m128i h = fold512(acc);
+            h = _mm_hadd_epi32(h, h);
+            h = _mm_hadd_epi32(h, h);
+            s[i] = epilogue_q6k(s[i], d, a.d[ab], _mm_cvtsi128_si32(h));
         }
     }
-    for (int i = 0; i < NR; ++i) y[i * ldy] = _mm512_reduce_add_ps(fs[i]);
+    for (int i = 0; i < NR; ++i) y[i * ldy] = s[i];
 }
 
 // Blocks of 32 with one fp16 scale (Q8_0, Q5_0, Q4_0): decode to signed bytes, then the same
