@@ -114,6 +114,9 @@ class F32Backend(CpuBackend):
 
     name = "f32"
 
+    def __init__(self, threads=None):
+        super().__init__(threads, use_native=False)  # float32 KV cache and attention too
+
     def linear(self, weight, bias=None):
         w = dequantize(weight.data, weight.qtype, weight.shape)
         b = None if bias is None else self.tensor(bias)

@@ -86,3 +86,6 @@ class Backend(Protocol):
         [n_kv_heads, n_cached, head_dim] hold the whole sequence so far. A row at position p
         attends to keys 0..p (only the last `window` of them if window > 0). -> [rows, n_head, v_dim]."""
         ...
+
+    # Optional: `gelu_tanh(x)`, for a backend that evaluates GELU its own way (the CPU backend
+    # follows llama.cpp's fp16 table); architectures fall back to torch's when it is absent.

@@ -118,6 +118,8 @@ class CpuBackend:
         if use_native is None:
             use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
         self.native = native.load() if use_native else None
+        # An fp16 cache, as llama.cpp keeps by default: half the memory, and its rounding.
+        self.kv_dtype = torch.float16 if self.native is not None else torch.float32
         if self.native is not None:
             # The native kernels bring their own threads; torch keeps one, for the small ops
             # between matmuls, so its idle workers do not compete with ours for the cores.
@@ -135,6 +137,15 @@ class CpuBackend:
             return Int4Linear(weight, b)
         return DenseLinear(weight, b)
 
+    def gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
+        """tanh-GELU. With the native kernels, as llama.cpp's CPU backend evaluates it from a
+        table over fp16: input and result rounded to fp16 (exact outside [-10, 10]), which keeps
+        greedy output on llama.cpp's where two tokens are close."""
+        if self.native is None:
+            return F.gelu(x, approximate="tanh")
+        y = F.gelu(x.half().float(), approximate="tanh").half().float()
+        return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
     def embedding(self, weight):
         return QuantEmbedding(weight)
 
@@ -145,6 +156,15 @@ class CpuBackend:
         n_rows, n_head, head_dim = q.shape
         n_kv = k.shape[0]
         group = n_head // n_kv
+        if n_rows <= PER_ROW_ATTENTION_MAX and k.dtype == torch.float16 and self.native is not None:
+            q = q.to(torch.float32).contiguous()
+            out = torch.empty(n_rows, n_head, v.shape[-1])
+            pos = positions.to(torch.int64).contiguous()
+            self.native.spk_attention_f16(q.data_ptr(), n_rows, n_head, n_kv, head_dim, v.shape[-1], k.data_ptr(), v.data_ptr(),
+                                          k.stride(0), v.stride(0), pos.data_ptr(), window, scale, out.data_ptr())
+            return out
+        if k.dtype != q.dtype:  # a long prompt chunk over the fp16 cache: one batched call in float32
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if n_rows <= PER_ROW_ATTENTION_MAX:
             out = []
             for i, p in enumerate(positions.tolist()):

@@ -22,6 +22,11 @@ SWA_PATTERN = 6  # layers i with (i + 1) % 6 != 0 use the sliding window
 SWA_ROPE_BASE = 10000.0
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """For backends without their own `gelu_tanh` (the Backend protocol's optional kernel)."""
+    return F.gelu(x, approximate="tanh")
+
+
 @attrs.frozen
 class Gemma3Config:
     n_vocab: int
@@ -105,6 +110,7 @@ class Gemma3Model(DecoderModel):
         rope_local = rope_tables(positions, c.head_dim, SWA_ROPE_BASE)
         rows = len(batch)
         hidden = {}
+        gelu = getattr(self.backend, "gelu_tanh", gelu_tanh)
 
         x = self.embed(torch.tensor(batch.tokens)) * (c.n_embd**0.5)  # [rows, n_embd]
         for i, blk in enumerate(self.blocks):
@@ -120,7 +126,7 @@ class Gemma3Model(DecoderModel):
             x = x + rms_norm(blk.wo(attn.reshape(rows, c.n_head * c.head_dim)), blk.post_attn_norm, c.eps)
 
             h = rms_norm(x, blk.ffn_norm, c.eps)
-            h = blk.w_down(F.gelu(blk.w_gate(h), approximate="tanh") * blk.w_up(h))
+            h = blk.w_down(gelu(blk.w_gate(h)) * blk.w_up(h))
             x = x + rms_norm(h, blk.post_ffn_norm, c.eps)
             if i in hidden_layers:
                 hidden[i] = x
