@@ -374,6 +374,186 @@ void dot_b32(const Block* w, int nb, const Act& a, int i0, float* y, int64_t ldy
 }
 
 // ---------------------------------------------------------------------------------------------
+// AMX-INT8 kernel for Q4_K and Q6_K: 16 weight rows (tile rows, u8: the weights' unsigned values
+// q) against 16 activation rows (tile columns, s8, in the VNNI layout B[v/4][row][v%4]). One
+// TDPBUSD per sub-block (Q4_K: 32 values, Q6_K: 16) gives its exact dot products for all 16x16
+// pairs; they are scaled by the sub-block scales in int32 (vpmulld) and summed, the mins / the +32
+// offset come from the block sums (vpdpwssd), and the canonical epilogue runs lane-wise.
+
+bool g_amx_allowed = true;  // cleared by SPECULANT_AMX=0
+
+bool amx_ok() {
+    static const bool ok = [] {
+#ifdef SPK_AMX
+        const char* env = std::getenv("SPECULANT_AMX");
+        if (env && env[0] == '0') return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
+        // Linux hands out the tile state only on request, once per process.
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+        return false;
+#endif
+    }();
+    return ok && g_amx_allowed;
+}
+
+#ifdef SPK_AMX
+
+template <int QT> struct AmxShape;
+template <> struct AmxShape<T_Q4_K> {
+    using Block = BlockQ4K;
+    static constexpr int NSUB = 8, SUB = 32, NPAIR = 4, CFG = 1;
+    // where sub-block j sits in a decoded row: the zmm of low / high nibbles of each 64 packed
+    // bytes hold sub-blocks (0,2), (1,3), (4,6), (5,7)
+    static constexpr int aoff(int j) { return (j / 4) * 128 + (j % 2) * 64 + ((j / 2) % 2) * 32; }
+};
+template <> struct AmxShape<T_Q6_K> {
+    using Block = BlockQ6K;
+    static constexpr int NSUB = 16, SUB = 16, NPAIR = 8, CFG = 2;
+    static constexpr int aoff(int j) { return 16 * j; }
+};
+
+struct alignas(64) TileCfg {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// tmm0..3: C (16 x 16 int32); tmm4, 5: A (16 weight rows x SUB bytes); tmm6, 7: B (SUB/4 x 64).
+TileCfg make_cfg(int sub) {
+    TileCfg c;
+    for (int t = 0; t < 4; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+    for (int t = 4; t < 6; ++t) { c.rows[t] = 16; c.colsb[t] = (uint16_t)sub; }
+    for (int t = 6; t < 8; ++t) { c.rows[t] = (uint8_t)(sub / 4); c.colsb[t] = 64; }
+    return c;
+}
+
+const TileCfg CFG_Q4K = make_cfg(32), CFG_Q6K = make_cfg(16);
+thread_local int t_cfg = 0;  // the tile config this thread has loaded (each thread needs its own)
+
+inline void amx_config(int id) {
+    if (t_cfg != id) {
+        _tile_loadconfig(id == 1 ? &CFG_Q4K : &CFG_Q6K);
+        t_cfg = id;
+    }
+}
+
+constexpr int AMX_GROUPS_MAX = 4;  // activation groups of 16 rows per work item (ACT_TILE / 16)
+
+// Decode one weight row's block into A (256 bytes), its int32 scales into sc[16] and its int16
+// scale pairs into sp[8]; returns d (and dmin for Q4_K).
+inline void amx_decode(const BlockQ4K& blk, uint8_t* A, int32_t* sc, int32_t* sp, float* d, float* dmin) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
+    _mm512_store_si512(A, _mm512_and_si512(q0, m4));
+    _mm512_store_si512(A + 64, _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4));
+    _mm512_store_si512(A + 128, _mm512_and_si512(q1, m4));
+    _mm512_store_si512(A + 192, _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4));
+    const __m128i s8 = q4k_scales(blk);                                     // [sc0..7, mn0..7]
+    _mm512_store_si512(sc, _mm512_cvtepu8_epi32(s8));                        // sc[j] (and mins)
+    _mm256_store_si256((__m256i*)sp, _mm256_cvtepu8_epi16(s8));              // sp[4 + p] = (mn_2p, mn_2p+1)
+    *d = f16(blk.d);
+    *dmin = f16(blk.dmin);
+}
+
+inline void amx_decode(const BlockQ6K& blk, uint8_t* A, int32_t* sc, int32_t* sp, float* d, float* dmin) {
+    __m512i q[4];
+    q6k_values(blk, q);
+    for (int z = 0; z < 4; ++z) _mm512_store_si512(A + 64 * z, q[z]);
+    const __m128i s8 = _mm_loadu_si128((const __m128i*)blk.scales);
+    _mm512_store_si512(sc, _mm512_cvtepi8_epi32(s8));
+    _mm256_store_si256((__m256i*)sp, _mm256_cvtepi8_epi16(s8));              // sp[p] = (sc_2p, sc_2p+1)
+    *d = f16(blk.d);
+    *dmin = 0.f;
+}
+
+#define SPK_TDP(c, ta, tb, j)                                         \
+    _tile_zero(c);                                                    \
+    _tile_loadd(ta, A + S::aoff(j), 256);                             \
+    _tile_loadd(tb, B + (j) * S::SUB * 16, 64);                       \
+    _tile_dpbusd(c, ta, tb);
+
+// Weight rows [0, nr) (nr <= 16) of a chunk against activation groups g0 .. g0 + ng - 1; the
+// result for activation row i (i0 <= i < i1) goes to y[i * ldy + r]. `pf`: the next chunk's
+// bytes, prefetched while this one is computed.
+template <int QT>
+void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int g0, int ng, int64_t i0, int64_t i1,
+               float* y, int64_t ldy, const uint8_t* pf, int64_t pf_bytes) {
+    using S = AmxShape<QT>;
+    using Block = typename S::Block;
+    amx_config(S::CFG);
+    alignas(64) uint8_t A[16 * 256];
+    alignas(64) int32_t C[S::NSUB][16][16];
+    alignas(64) int32_t sc[16][16];
+    alignas(64) int32_t sp[16][8];
+    alignas(64) float d[16], dmin[16];
+    alignas(64) float acc[AMX_GROUPS_MAX][16][16];
+    for (int r = nr; r < 16; ++r) {  // rows past the weights: zero scales, any finite A
+        std::memset(A + 256 * r, 0, 256);
+        std::memset(sc[r], 0, sizeof sc[r]);
+        std::memset(sp[r], 0, sizeof sp[r]);
+        d[r] = dmin[r] = 0.f;
+    }
+    for (int g = 0; g < ng; ++g)
+        for (int r = 0; r < 16; ++r) _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
+    const int64_t pf_step = ((pf_bytes + nb - 1) / nb + 63) & ~63;
+    for (int b = 0; b < nb; ++b) {
+        for (int64_t o = b * pf_step, e = std::min(pf_bytes, o + pf_step); o < e; o += 64) _mm_prefetch((const char*)pf + o, _MM_HINT_T0);
+        for (int r = 0; r < nr; ++r) {
+            const Block& blk = ((const Block*)(W + r * row_bytes))[b];
+            amx_decode(blk, A + 256 * r, sc[r], sp[r], d + r, dmin + r);
+        }
+        for (int g = 0; g < ng; ++g) {
+            const int64_t gb = (int64_t)(g0 + g) * nb + b;
+            const int8_t* B = a.bt.data() + gb * 4096;
+            for (int j = 0; j < S::NSUB; j += 4) {
+                SPK_TDP(0, 4, 6, j);
+                SPK_TDP(1, 5, 7, j + 1);
+                SPK_TDP(2, 4, 6, j + 2);
+                SPK_TDP(3, 5, 7, j + 3);
+                _tile_stored(0, C[j], 64);
+                _tile_stored(1, C[j + 1], 64);
+                _tile_stored(2, C[j + 2], 64);
+                _tile_stored(3, C[j + 3], 64);
+            }
+            const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
+            __m512i bp[S::NPAIR];
+            for (int p = 0; p < S::NPAIR; ++p) bp[p] = _mm512_loadu_si512(a.bp.data() + gb * 128 + 16 * p);
+            for (int r = 0; r < nr; ++r) {
+                __m512i isum = _mm512_mullo_epi32(_mm512_load_si512(C[0][r]), _mm512_set1_epi32(sc[r][0]));
+                for (int j = 1; j < S::NSUB; ++j)
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_load_si512(C[j][r]), _mm512_set1_epi32(sc[r][j])));
+                __m512 out = _mm512_load_ps(acc[g][r]);
+                if constexpr (QT == T_Q4_K) {
+                    __m512i msum = _mm512_setzero_si512();
+                    for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(sp[r][4 + p]), bp[p]);
+                    out = epilogue_q4k(out, _mm512_set1_ps(d[r]), _mm512_set1_ps(dmin[r]), dx, isum, msum);
+                } else {
+                    __m512i corr = _mm512_setzero_si512();
+                    for (int p = 0; p < 8; ++p) corr = _mm512_dpwssd_epi32(corr, _mm512_set1_epi32(sp[r][p]), bp[p]);
+                    isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(corr, 5));
+                    out = epilogue_q6k(out, _mm512_set1_ps(d[r]), dx, isum);
+                }
+                _mm512_store_ps(acc[g][r], out);
+            }
+        }
+    }
+    for (int g = 0; g < ng; ++g)
+        for (int lane = 0; lane < 16; ++lane) {
+            const int64_t i = (int64_t)(g0 + g) * 16 + lane;
+            if (i < i0 || i >= i1) continue;
+            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane];
+        }
+}
+#undef SPK_TDP
+
+#endif  // SPK_AMX
+
+// ---------------------------------------------------------------------------------------------
 // A pool of worker threads. Workers spin briefly between jobs (consecutive matmuls of a layer
 // follow each other within microseconds), then sleep on a condition variable.
 class Pool {
@@ -456,6 +636,9 @@ Pool& pool() {
 constexpr int ROW_CHUNK = 16;   // weight rows per work item
 constexpr int ACT_TILE = 64;    // activation rows per work item: keeps them in L2 while weights stream
 constexpr int NR_MAX = 8;       // activation rows sharing one decode of a weight block
+#ifdef SPK_AMX
+static_assert(ROW_CHUNK == 16 && ACT_TILE % 16 == 0 && ACT_TILE <= 16 * AMX_GROUPS_MAX, "AMX work items");
+#endif
 
 template <int NR>
 void dot_one(int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
@@ -496,6 +679,11 @@ int block_values(int qtype) { return (qtype == T_Q4_K || qtype == T_Q6_K) ? 256 
 
 Act g_act;
 
+// Q4_K / Q6_K calls with at least this many rows take the AMX kernel (0: never). Measured on a
+// Sapphire Rapids core: AMX already wins at 2 rows.
+int g_amx_min_rows = 8;
+int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX
+
 }  // namespace
 
 extern "C" {
@@ -508,6 +696,21 @@ void spk_set_threads(int n) {
 }
 
 int spk_threads() { return pool().size(); }
+
+// 1 when the Q4_K/Q6_K AMX path can run here (the CPU has AMX-INT8, the library was built with
+// it, Linux granted the tile state, SPECULANT_AMX is not 0).
+int spk_amx_available() { return amx_ok() ? 1 : 0; }
+
+// Calls with at least `rows` rows take the AMX path where available (0: never); returns the old value.
+int spk_set_amx_min_rows(int rows) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    const int old = g_amx_min_rows;
+    g_amx_min_rows = rows;
+    return old;
+}
+
+// Which path the last spk_linear call took: 1 the VNNI kernels, 2 the AMX kernel.
+int spk_last_path() { return g_last_path; }
 
 // Does the library have a kernel for this GGML type and row length?
 int spk_supports(int qtype, int64_t k) {
@@ -522,33 +725,61 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
     const int bv = block_values(qtype);
     const int nb = (int)(k / bv);
     const size_t row_bytes = nb * block_bytes(qtype);
+#ifdef SPK_AMX
+    const bool amx = (qtype == T_Q4_K || qtype == T_Q6_K) && g_amx_min_rows > 0 && m >= g_amx_min_rows && amx_ok();
+#else
+    const bool amx = false;
+#endif
+    g_last_path = amx ? 2 : 1;
     Act& a = g_act;
     a.nb = nb;
     a.bsize = bv;
-    a.qs.resize((size_t)m * nb * bv);
-    a.d.resize((size_t)m * nb);
-    if (bv == 256) {
-        a.bs16.resize((size_t)m * nb * 16);
-        a.bs32.resize((size_t)m * nb * 8);
+    const int64_t groups = (m + 15) / 16, m_pad = amx ? groups * 16 : m;
+    if (amx) {
+        a.bt.resize((size_t)groups * nb * 4096);
+        a.dt.resize((size_t)groups * nb * 16);
+        a.bp.resize((size_t)groups * nb * 128);
+    } else {
+        a.qs.resize((size_t)m * nb * bv);
+        a.d.resize((size_t)m * nb);
+        if (bv == 256) {
+            a.bs16.resize((size_t)m * nb * 16);
+            a.bs32.resize((size_t)m * nb * 8);
+        }
     }
     auto quantize = [&](int64_t i) {
-        if (bv == 256)
+        if (amx)
+            quantize_q8k_row_amx(i < m ? x + i * k : nullptr, nb, qtype == T_Q4_K, i, a);
+        else if (bv == 256)
             quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
                              a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
         else
             quantize_q80_row(x + i * k, nb, a.qs.data() + i * nb * 32, a.d.data() + i * nb);
     };
     if (m < 4) {
-        for (int64_t i = 0; i < m; ++i) quantize(i);
+        for (int64_t i = 0; i < m_pad; ++i) quantize(i);
     } else {
         std::atomic<int64_t> next{0};
         p.run([&](int, int) {
-            for (int64_t i; (i = next.fetch_add(1)) < m;) quantize(i);
+            for (int64_t i; (i = next.fetch_add(1)) < m_pad;) quantize(i);
         });
     }
 
     const uint8_t* W = (const uint8_t*)weights;
+    const int64_t w_bytes = n * (int64_t)row_bytes;
     auto rows = [&](int64_t r0, int64_t r1, int64_t a0, int64_t a1) {
+#ifdef SPK_AMX
+        if (amx) {  // r1 - r0 <= ROW_CHUNK = 16, a0 a multiple of 16, a1 - a0 <= ACT_TILE
+            const int64_t pf0 = std::min(w_bytes, r1 * (int64_t)row_bytes);
+            const int64_t pf1 = std::min(w_bytes, (2 * r1 - r0) * (int64_t)row_bytes);
+            const int g0 = (int)(a0 / 16), ng = (int)((a1 - a0 + 15) / 16);
+            if (qtype == T_Q4_K)
+                amx_chunk<T_Q4_K>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
+            else
+                amx_chunk<T_Q6_K>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
+            return;
+        }
+#endif
         for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {
             const int nr = (int)std::min<int64_t>(NR_MAX, a1 - i0);
             for (int64_t r = r0; r < r1; ++r)
