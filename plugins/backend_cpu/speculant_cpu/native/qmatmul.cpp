@@ -42,6 +42,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -72,33 +73,48 @@ struct Act {
     // AMX layout (Q8_K only): groups of 16 rows, the last one padded with zero rows.
     std::vector<int8_t> bt;     // [group, nb, 64, 16, 4]: a tile B per block (value v of row i at [v/4][i][v%4])
     std::vector<float> dt;      // [group, nb, 16]: scales, lane = row in the group
-    std::vector<int32_t> bp;    // [group, nb, 8, 16]: int16 pairs of block sums (Q4_K: bsum32, Q6_K: bsum16)
+    std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of bsum32 [4][16]; Q6_K: bsum256 [16]
 };
 
-// llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude maps to
-// -127, round to nearest even. q in natural order; bs16/bs32: sums of each 16 / 32 values.
+// llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude (the first
+// such) maps to -127, round to nearest even. q in natural order; bs16/bs32: sums of each 16 / 32
+// values. (Vectorized; the same IEEE operations as llama.cpp's scalar loop.)
 void quantize_q8k_block(const float* x, int8_t* q, float* d, int16_t* bs16, int16_t* bs32) {
-    float amax = 0.f, max = 0.f;
-    for (int j = 0; j < 256; ++j) {
-        float ax = std::fabs(x[j]);
-        if (ax > amax) { amax = ax; max = x[j]; }
+    __m512 v[16];
+    __m512 am = _mm512_setzero_ps();
+    for (int t = 0; t < 16; ++t) {
+        v[t] = _mm512_loadu_ps(x + 16 * t);
+        am = _mm512_max_ps(am, _mm512_abs_ps(v[t]));
     }
-    if (amax == 0.f) {
+    const float amax = _mm512_reduce_max_ps(am);
+    if (!(amax > 0.f)) {
         std::memset(q, 0, 256);
         *d = 0.f;
-    } else {
-        const float iscale = -127.f / max;
-        for (int j = 0; j < 256; ++j) {
-            int v = (int)std::nearbyint(iscale * x[j]);
-            q[j] = (int8_t)std::min(127, v);
-        }
-        *d = 1.f / iscale;
+        std::memset(bs16, 0, 32);
+        std::memset(bs32, 0, 16);
+        return;
     }
-    for (int g = 0; g < 16; ++g) {
-        int s = 0;
-        for (int j = 0; j < 16; ++j) s += q[16 * g + j];
-        bs16[g] = (int16_t)s;
+    float max = 0.f;
+    for (int t = 0; t < 16; ++t) {
+        const __mmask16 hit = _mm512_cmpeq_ps_mask(_mm512_abs_ps(v[t]), _mm512_set1_ps(amax));
+        if (hit) { max = x[16 * t + __builtin_ctz(hit)]; break; }
     }
+    const float iscale = -127.f / max;
+    const __m512 is = _mm512_set1_ps(iscale);
+    // dword o of the packed result sits at dword 4 (o % 4) + o / 4 after the two in-lane packs
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    alignas(64) uint64_t sad[32];
+    for (int z = 0; z < 4; ++z) {
+        __m512i qi[4];
+        for (int t = 0; t < 4; ++t)  // cvtps2dq rounds to nearest even (the default MXCSR), as nearbyint does
+            qi[t] = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(is, v[4 * z + t])), _mm512_set1_epi32(127));
+        const __m512i q8 = _mm512_permutexvar_epi32(order, _mm512_packs_epi16(_mm512_packs_epi32(qi[0], qi[1]), _mm512_packs_epi32(qi[2], qi[3])));
+        _mm512_storeu_si512(q + 64 * z, q8);
+        // sums of each 8 values, as unsigned bytes q + 128
+        _mm512_store_si512(sad + 8 * z, _mm512_sad_epu8(_mm512_xor_si512(q8, _mm512_set1_epi8((char)0x80)), _mm512_setzero_si512()));
+    }
+    *d = 1.f / iscale;
+    for (int g = 0; g < 16; ++g) bs16[g] = (int16_t)((int)(sad[2 * g] + sad[2 * g + 1]) - 16 * 128);
     for (int g = 0; g < 8; ++g) bs32[g] = (int16_t)(bs16[2 * g] + bs16[2 * g + 1]);
 }
 
@@ -126,23 +142,34 @@ void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float*
 
 inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
 
-// AMX layout: row i of the call goes to lane i % 16 of group i / 16. x == nullptr: a zero row.
+// AMX layout: row i of the call goes to lane i % 16 of group i / 16 (values in q4k_order for
+// Q4_K, natural for Q6_K: the order of the weight planes). x == nullptr: a zero row.
 void quantize_q8k_row_amx(const float* x, int nb, bool q4k, int64_t i, Act& a) {
     const int64_t g = i / 16;
     const int lane = (int)(i % 16);
     for (int b = 0; b < nb; ++b) {
-        int8_t q[256];
+        alignas(64) int8_t q[256];
         float d = 0.f;
         int16_t bs16[16] = {}, bs32[8] = {};
         if (x) quantize_q8k_block(x + 256 * b, q, &d, bs16, bs32);
         else std::memset(q, 0, 256);
         const int64_t gb = g * nb + b;
         int8_t* bt = a.bt.data() + gb * 4096 + 4 * lane;
-        for (int v = 0; v < 64; ++v) std::memcpy(bt + 64 * v, q + 4 * v, 4);
+        for (int v = 0; v < 64; ++v) {
+            // q4k_order: within each 128 values, the 32-value segments in the order 0, 2, 1, 3
+            const int w = v % 32, seg = w / 8;
+            const int src = q4k ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
+            std::memcpy(bt + 64 * v, q + 4 * src, 4);
+        }
         a.dt[gb * 16 + lane] = d;
-        int32_t* bp = a.bp.data() + gb * 128 + lane;
-        if (q4k) for (int p = 0; p < 4; ++p) bp[16 * p] = pair16(bs32[2 * p], bs32[2 * p + 1]);
-        else for (int p = 0; p < 8; ++p) bp[16 * p] = pair16(bs16[2 * p], bs16[2 * p + 1]);
+        int32_t* bp = a.bp.data() + gb * 64 + lane;
+        if (q4k) {
+            for (int p = 0; p < 4; ++p) bp[16 * p] = pair16(bs32[2 * p], bs32[2 * p + 1]);
+        } else {
+            int s = 0;
+            for (int j = 0; j < 16; ++j) s += bs16[j];
+            bp[0] = s;
+        }
     }
 }
 
@@ -374,13 +401,16 @@ void dot_b32(const Block* w, int nb, const Act& a, int i0, float* y, int64_t ldy
 }
 
 // ---------------------------------------------------------------------------------------------
-// AMX-INT8 kernel for Q4_K and Q6_K: 16 weight rows (tile rows, u8: the weights' unsigned values
-// q) against 16 activation rows (tile columns, s8, in the VNNI layout B[v/4][row][v%4]). One
-// TDPBUSD per sub-block (Q4_K: 32 values, Q6_K: 16) gives its exact dot products for all 16x16
-// pairs; they are scaled by the sub-block scales in int32 (vpmulld) and summed, the mins / the +32
-// offset come from the block sums (vpdpwssd), and the canonical epilogue runs lane-wise.
-
-bool g_amx_allowed = true;  // cleared by SPECULANT_AMX=0
+// AMX-INT8 kernel for Q4_K and Q6_K: 16 weight rows (tile A, u8) against 16 activation rows (tile
+// B, s8, in the VNNI layout B[v/4][row][v%4]), full K = 64 per TDPBUSD. The sub-block scales go
+// into the weights themselves, split into two byte planes so the products stay u8, and the two
+// planes' exact sums recombine in int32:
+//   Q4_K: sc = 8*hi + lo (hi, lo <= 7), plane1 = hi*q, plane2 = lo*q (<= 105):
+//         isum = 8*C1 + C2;  msum from the block sums (vpdpwssd), as in the VNNI kernel.
+//   Q6_K: p = sc*(q - 32) + 4096 in [32, 8192], plane1 = p & 255, plane2 = p >> 8 (<= 32):
+//         isum = C1 + 256*C2 - 4096*bsum256.
+// Range: Q4_K C <= 256*105*127 = 3.4M; Q6_K C1 <= 256*255*127 = 8.3M, 256*C2 <= 266M,
+// 4096*|bsum256| <= 133M: int32. Then the canonical epilogue, lane-wise over the activation rows.
 
 bool amx_ok() {
     static const bool ok = [] {
@@ -397,148 +427,157 @@ bool amx_ok() {
         return false;
 #endif
     }();
-    return ok && g_amx_allowed;
+    return ok;
 }
 
 #ifdef SPK_AMX
-
-template <int QT> struct AmxShape;
-template <> struct AmxShape<T_Q4_K> {
-    using Block = BlockQ4K;
-    static constexpr int NSUB = 8, SUB = 32, NPAIR = 4, CFG = 1;
-    // where sub-block j sits in a decoded row: the zmm of low / high nibbles of each 64 packed
-    // bytes hold sub-blocks (0,2), (1,3), (4,6), (5,7)
-    static constexpr int aoff(int j) { return (j / 4) * 128 + (j % 2) * 64 + ((j / 2) % 2) * 32; }
-};
-template <> struct AmxShape<T_Q6_K> {
-    using Block = BlockQ6K;
-    static constexpr int NSUB = 16, SUB = 16, NPAIR = 8, CFG = 2;
-    static constexpr int aoff(int j) { return 16 * j; }
-};
 
 struct alignas(64) TileCfg {
     uint8_t palette = 1, start_row = 0;
     uint8_t reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
+    TileCfg() { for (int t = 0; t < 8; ++t) { rows[t] = 16; colsb[t] = 64; } }
 };
 
-// tmm0..3: C (16 x 16 int32); tmm4, 5: A (16 weight rows x SUB bytes); tmm6, 7: B (SUB/4 x 64).
-TileCfg make_cfg(int sub) {
-    TileCfg c;
-    for (int t = 0; t < 4; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
-    for (int t = 4; t < 6; ++t) { c.rows[t] = 16; c.colsb[t] = (uint16_t)sub; }
-    for (int t = 6; t < 8; ++t) { c.rows[t] = (uint8_t)(sub / 4); c.colsb[t] = 64; }
-    return c;
-}
+// All eight tiles 16 x 64 bytes: tmm0, 1 = C (plane 1, 2); tmm2, 3 = A plane 1; tmm4, 5 = A plane 2;
+// tmm6, 7 = B (alternating over the four K steps of a block).
+const TileCfg TILE_CFG;
+thread_local bool t_configured = false;  // each thread loads the config before its first tile op
 
-const TileCfg CFG_Q4K = make_cfg(32), CFG_Q6K = make_cfg(16);
-thread_local int t_cfg = 0;  // the tile config this thread has loaded (each thread needs its own)
-
-inline void amx_config(int id) {
-    if (t_cfg != id) {
-        _tile_loadconfig(id == 1 ? &CFG_Q4K : &CFG_Q6K);
-        t_cfg = id;
+inline void amx_config() {
+    if (!t_configured) {
+        _tile_loadconfig(&TILE_CFG);
+        t_configured = true;
     }
 }
 
 constexpr int AMX_GROUPS_MAX = 4;  // activation groups of 16 rows per work item (ACT_TILE / 16)
 
-// Decode one weight row's block into A (256 bytes), its int32 scales into sc[16] and its int16
-// scale pairs into sp[8]; returns d (and dmin for Q4_K).
-inline void amx_decode(const BlockQ4K& blk, uint8_t* A, int32_t* sc, int32_t* sp, float* d, float* dmin) {
+// One weight row's block into the two planes (256 bytes each, in the order the activations' B
+// tiles use: Q4_K's q4k_order, Q6_K natural) and its scalars.
+inline void amx_decode(const BlockQ4K& blk, uint8_t* P1, uint8_t* P2, int32_t* mins, float* d, float* dmin) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
-    _mm512_store_si512(A, _mm512_and_si512(q0, m4));
-    _mm512_store_si512(A + 64, _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4));
-    _mm512_store_si512(A + 128, _mm512_and_si512(q1, m4));
-    _mm512_store_si512(A + 192, _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4));
-    const __m128i s8 = q4k_scales(blk);                                     // [sc0..7, mn0..7]
-    _mm512_store_si512(sc, _mm512_cvtepu8_epi32(s8));                        // sc[j] (and mins)
-    _mm256_store_si256((__m256i*)sp, _mm256_cvtepu8_epi16(s8));              // sp[4 + p] = (mn_2p, mn_2p+1)
+    const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                          _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+    const __m128i s8 = q4k_scales(blk);  // [sc0..7, mn0..7]
+    const __m256i sm = _mm256_cvtepu8_epi16(s8);
+    const __m512i smz = _mm512_castsi256_si512(sm);
+    const __m512i hi = _mm512_srli_epi16(smz, 3), lo = _mm512_and_si512(smz, _mm512_set1_epi16(7));
+    for (int z = 0; z < 4; ++z) {
+        // (q_even + 256 q_odd) * s = q_even s + 256 q_odd s: both products < 256, so the 16-bit
+        // multiply gives the bytes' products in place.
+        _mm512_store_si512(P1 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(Q4.idx[z], hi)));
+        _mm512_store_si512(P2 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(Q4.idx[z], lo)));
+    }
+    _mm_store_si128((__m128i*)mins, _mm256_extracti128_si256(sm, 1));  // int16 pairs (mn_2p, mn_2p+1)
     *d = f16(blk.d);
     *dmin = f16(blk.dmin);
 }
 
-inline void amx_decode(const BlockQ6K& blk, uint8_t* A, int32_t* sc, int32_t* sp, float* d, float* dmin) {
+inline void amx_decode(const BlockQ6K& blk, uint8_t* P1, uint8_t* P2, int32_t*, float* d, float* dmin) {
     __m512i q[4];
     q6k_values(blk, q);
-    for (int z = 0; z < 4; ++z) _mm512_store_si512(A + 64 * z, q[z]);
-    const __m128i s8 = _mm_loadu_si128((const __m128i*)blk.scales);
-    _mm512_store_si512(sc, _mm512_cvtepi8_epi32(s8));
-    _mm256_store_si256((__m256i*)sp, _mm256_cvtepi8_epi16(s8));              // sp[p] = (sc_2p, sc_2p+1)
+    const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales)));
+    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
+    for (int z = 0; z < 4; ++z) {
+        const __m512i s = _mm512_permutexvar_epi16(Q6.idx[z], sc);  // int16 scale of each byte pair
+        const __m512i k = _mm512_sub_epi16(_mm512_set1_epi16(4096), _mm512_slli_epi16(s, 5));
+        // sc * q of the even / odd bytes as int16 (one product per pair: exact), then + 4096 - 32 sc
+        const __m512i pe = _mm512_add_epi16(_mm512_maddubs_epi16(q[z], _mm512_and_si512(s, _mm512_set1_epi16(0xFF))), k);
+        const __m512i po = _mm512_add_epi16(_mm512_maddubs_epi16(q[z], _mm512_slli_epi16(s, 8)), k);
+        _mm512_store_si512(P1 + 64 * z, _mm512_mask_blend_epi8(odd, pe, _mm512_slli_epi16(po, 8)));
+        _mm512_store_si512(P2 + 64 * z, _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(pe, 8), po));
+    }
     *d = f16(blk.d);
     *dmin = 0.f;
 }
 
-#define SPK_TDP(c, ta, tb, j)                                         \
-    _tile_zero(c);                                                    \
-    _tile_loadd(ta, A + S::aoff(j), 256);                             \
-    _tile_loadd(tb, B + (j) * S::SUB * 16, 64);                       \
-    _tile_dpbusd(c, ta, tb);
-
 // Weight rows [0, nr) (nr <= 16) of a chunk against activation groups g0 .. g0 + ng - 1; the
-// result for activation row i (i0 <= i < i1) goes to y[i * ldy + r]. `pf`: the next chunk's
-// bytes, prefetched while this one is computed.
-template <int QT>
+// result for activation row i (i0 <= i < i1) goes to y[i * ldy + r]. [pf, pf + pf_bytes): the
+// next chunk, prefetched a little at a time while this one is computed.
+template <class Block>
 void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int g0, int ng, int64_t i0, int64_t i1,
                float* y, int64_t ldy, const uint8_t* pf, int64_t pf_bytes) {
-    using S = AmxShape<QT>;
-    using Block = typename S::Block;
-    amx_config(S::CFG);
-    alignas(64) uint8_t A[16 * 256];
-    alignas(64) int32_t C[S::NSUB][16][16];
-    alignas(64) int32_t sc[16][16];
-    alignas(64) int32_t sp[16][8];
-    alignas(64) float d[16], dmin[16];
+    constexpr bool Q4 = std::is_same<Block, BlockQ4K>::value;
+    constexpr int PF_LINES = (sizeof(Block) + 63) / 64;  // per weight row and block: 16 rows' worth per block
+    amx_config();
+    alignas(64) uint8_t P1[2][16 * 256], P2[2][16 * 256];  // double-buffered: block b+1 is decoded while b's tiles run
+    alignas(64) int32_t C1[16][16], C2[16][16];
+    alignas(64) int32_t mins[2][16][4];
+    alignas(64) float d[2][16], dmin[2][16];
     alignas(64) float acc[AMX_GROUPS_MAX][16][16];
-    for (int r = nr; r < 16; ++r) {  // rows past the weights: zero scales, any finite A
-        std::memset(A + 256 * r, 0, 256);
-        std::memset(sc[r], 0, sizeof sc[r]);
-        std::memset(sp[r], 0, sizeof sp[r]);
-        d[r] = dmin[r] = 0.f;
-    }
+    for (int u = 0; u < 2; ++u)
+        for (int r = nr; r < 16; ++r) {  // rows past the weights: zeros
+            std::memset(P1[u] + 256 * r, 0, 256);
+            std::memset(P2[u] + 256 * r, 0, 256);
+            std::memset(mins[u][r], 0, sizeof mins[u][r]);
+            d[u][r] = dmin[u][r] = 0.f;
+        }
     for (int g = 0; g < ng; ++g)
         for (int r = 0; r < 16; ++r) _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
-    const int64_t pf_step = ((pf_bytes + nb - 1) / nb + 63) & ~63;
-    for (int b = 0; b < nb; ++b) {
-        for (int64_t o = b * pf_step, e = std::min(pf_bytes, o + pf_step); o < e; o += 64) _mm_prefetch((const char*)pf + o, _MM_HINT_T0);
+    const char* pf_cur = (const char*)pf;
+    const char* const pf_end = pf_cur + pf_bytes;
+    auto decode = [&](int b, int u) {
         for (int r = 0; r < nr; ++r) {
+            for (int l = 0; l < PF_LINES && pf_cur < pf_end; ++l, pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T0);
             const Block& blk = ((const Block*)(W + r * row_bytes))[b];
-            amx_decode(blk, A + 256 * r, sc[r], sp[r], d + r, dmin + r);
+            amx_decode(blk, P1[u] + 256 * r, P2[u] + 256 * r, mins[u][r], d[u] + r, dmin[u] + r);
         }
+    };
+    decode(0, 0);
+    for (int b = 0; b < nb; ++b) {
+        const int u = b & 1;
+        const uint8_t* p1 = P1[u];
+        const uint8_t* p2 = P2[u];
         for (int g = 0; g < ng; ++g) {
             const int64_t gb = (int64_t)(g0 + g) * nb + b;
             const int8_t* B = a.bt.data() + gb * 4096;
-            for (int j = 0; j < S::NSUB; j += 4) {
-                SPK_TDP(0, 4, 6, j);
-                SPK_TDP(1, 5, 7, j + 1);
-                SPK_TDP(2, 4, 6, j + 2);
-                SPK_TDP(3, 5, 7, j + 3);
-                _tile_stored(0, C[j], 64);
-                _tile_stored(1, C[j + 1], 64);
-                _tile_stored(2, C[j + 2], 64);
-                _tile_stored(3, C[j + 3], 64);
-            }
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(6, B, 64);
+            _tile_loadd(2, p1, 256);
+            _tile_loadd(4, p2, 256);
+            _tile_dpbusd(0, 2, 6);
+            _tile_dpbusd(1, 4, 6);
+            _tile_loadd(7, B + 1024, 64);
+            _tile_loadd(3, p1 + 64, 256);
+            _tile_loadd(5, p2 + 64, 256);
+            _tile_dpbusd(0, 3, 7);
+            _tile_dpbusd(1, 5, 7);
+            _tile_loadd(6, B + 2048, 64);
+            _tile_loadd(2, p1 + 128, 256);
+            _tile_loadd(4, p2 + 128, 256);
+            _tile_dpbusd(0, 2, 6);
+            _tile_dpbusd(1, 4, 6);
+            _tile_loadd(7, B + 3072, 64);
+            _tile_loadd(3, p1 + 192, 256);
+            _tile_loadd(5, p2 + 192, 256);
+            _tile_dpbusd(0, 3, 7);
+            _tile_dpbusd(1, 5, 7);
+            _tile_stored(0, C1, 64);
+            _tile_stored(1, C2, 64);
+            if (g == 0 && b + 1 < nb) decode(b + 1, u ^ 1);  // vector work while the tiles run
             const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
-            __m512i bp[S::NPAIR];
-            for (int p = 0; p < S::NPAIR; ++p) bp[p] = _mm512_loadu_si512(a.bp.data() + gb * 128 + 16 * p);
-            for (int r = 0; r < nr; ++r) {
-                __m512i isum = _mm512_mullo_epi32(_mm512_load_si512(C[0][r]), _mm512_set1_epi32(sc[r][0]));
-                for (int j = 1; j < S::NSUB; ++j)
-                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_load_si512(C[j][r]), _mm512_set1_epi32(sc[r][j])));
-                __m512 out = _mm512_load_ps(acc[g][r]);
-                if constexpr (QT == T_Q4_K) {
-                    __m512i msum = _mm512_setzero_si512();
-                    for (int p = 0; p < 4; ++p) msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(sp[r][4 + p]), bp[p]);
-                    out = epilogue_q4k(out, _mm512_set1_ps(d[r]), _mm512_set1_ps(dmin[r]), dx, isum, msum);
-                } else {
-                    __m512i corr = _mm512_setzero_si512();
-                    for (int p = 0; p < 8; ++p) corr = _mm512_dpwssd_epi32(corr, _mm512_set1_epi32(sp[r][p]), bp[p]);
-                    isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(corr, 5));
-                    out = epilogue_q6k(out, _mm512_set1_ps(d[r]), dx, isum);
+            const int32_t* bp = a.bp.data() + gb * 64;
+            if constexpr (Q4) {
+                const __m512i bp0 = _mm512_loadu_si512(bp), bp1 = _mm512_loadu_si512(bp + 16);
+                const __m512i bp2 = _mm512_loadu_si512(bp + 32), bp3 = _mm512_loadu_si512(bp + 48);
+                for (int r = 0; r < nr; ++r) {
+                    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C1[r]), 3), _mm512_load_si512(C2[r]));
+                    __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mins[u][r][0]), bp0);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mins[u][r][1]), bp1);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mins[u][r][2]), bp2);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mins[u][r][3]), bp3);
+                    _mm512_store_ps(acc[g][r], epilogue_q4k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(d[u][r]), _mm512_set1_ps(dmin[u][r]), dx, isum, msum));
                 }
-                _mm512_store_ps(acc[g][r], out);
+            } else {
+                const __m512i bsum = _mm512_slli_epi32(_mm512_loadu_si512(bp), 12);
+                for (int r = 0; r < nr; ++r) {
+                    const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_load_si512(C1[r]), _mm512_slli_epi32(_mm512_load_si512(C2[r]), 8)), bsum);
+                    _mm512_store_ps(acc[g][r], epilogue_q6k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(d[u][r]), dx, isum));
+                }
             }
         }
     }
@@ -549,7 +588,6 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
             for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane];
         }
 }
-#undef SPK_TDP
 
 #endif  // SPK_AMX
 
@@ -679,9 +717,10 @@ int block_values(int qtype) { return (qtype == T_Q4_K || qtype == T_Q6_K) ? 256 
 
 Act g_act;
 
-// Q4_K / Q6_K calls with at least this many rows take the AMX kernel (0: never). Measured on a
-// Sapphire Rapids core: AMX already wins at 2 rows.
-int g_amx_min_rows = 8;
+// Q4_K / Q6_K calls with at least this many rows take the AMX kernel (0: never): its cost is
+// about flat from 1 to 16 rows, the VNNI kernels' grows with each row (measured on a Sapphire
+// Rapids core, the 1.5B model's weights, one thread: about even at 3-4 rows).
+int g_amx_min_rows = 4;
 int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX
 
 }  // namespace
@@ -738,7 +777,7 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
     if (amx) {
         a.bt.resize((size_t)groups * nb * 4096);
         a.dt.resize((size_t)groups * nb * 16);
-        a.bp.resize((size_t)groups * nb * 128);
+        a.bp.resize((size_t)groups * nb * 64);
     } else {
         a.qs.resize((size_t)m * nb * bv);
         a.d.resize((size_t)m * nb);
@@ -774,9 +813,9 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
             const int64_t pf1 = std::min(w_bytes, (2 * r1 - r0) * (int64_t)row_bytes);
             const int g0 = (int)(a0 / 16), ng = (int)((a1 - a0 + 15) / 16);
             if (qtype == T_Q4_K)
-                amx_chunk<T_Q4_K>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
+                amx_chunk<BlockQ4K>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
             else
-                amx_chunk<T_Q6_K>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
+                amx_chunk<BlockQ6K>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
             return;
         }
 #endif
