@@ -38,7 +38,9 @@ class DiscoverySpec:
         """Register backend classes by device name: ``register("cpu", CpuBackend)``.
 
         Register only when the device is usable here, so a CUDA plugin imports and stays
-        silent on a machine without CUDA."""
+        silent on a machine without CUDA; a backend that finds out only when it is built raises
+        :class:`speculant.DeviceUnavailable` from its constructor (the contract suite then skips
+        it with that reason)."""
 
     @hookspec
     def speculant_register_architectures(self, register: Callable[[str, Callable[..., Any]], None]) -> None:
