@@ -6,6 +6,8 @@ is float32 rounding of the kernel's accumulation. Each row must also come out bi
 however many rows are computed with it."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -69,6 +71,63 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
     assert np.abs(alone.numpy() - expected).max() <= 2e-6 * np.abs(expected).max()
     for m in (2, 3, 8, 9, 16, 70):  # tiles of 8 rows, their remainders, and the many-row path
         assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows"
+
+
+@pytest.fixture
+def amx_min_rows():
+    """Set the row count from which Q4_K/Q6_K calls take the AMX path; restored afterwards."""
+    old = lib.spk_set_amx_min_rows(0)
+    lib.spk_set_amx_min_rows(old)
+    yield lib.spk_set_amx_min_rows
+    lib.spk_set_amx_min_rows(old)
+
+
+# Shapes of the 1.5B model's layers (k = 1536 and 8960) with n not a multiple of the 16-row chunks.
+@pytest.mark.parametrize("qtype,n,k", [(Q.Q4_K, 37, 1536), (Q.Q6_K, 45, 1536), (Q.Q4_K, 21, 8960), (Q.Q6_K, 19, 8960)])
+def test_k_quant_rows_are_bit_identical_across_row_counts_and_paths(qtype, n, k, amx_min_rows):
+    rng = np.random.default_rng(k + n)
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    x = (rng.standard_normal((70, k)) * 3).astype(np.float32)
+    x[5] = 0.0
+    x[9, ::7] = 40.0  # a block whose largest magnitude is positive (it maps to -127)
+    amx_min_rows(0)  # the VNNI kernels only
+    alone = torch.cat([run(raw, qtype, n, k, x[i : i + 1]) for i in range(len(x))])
+    weights = dequantize(raw, qtype, (n, k)).double().numpy()
+    expected = np.stack([q8k_reference(r) for r in x]) @ weights.T
+    assert np.abs(alone.numpy() - expected).max() <= 4e-6 * np.abs(expected).max()
+    for threshold in (0, 1, 4):  # never AMX, always AMX (even 1 row), the default kind of split
+        amx_min_rows(threshold)
+        for m in (1, 2, 3, 4, 8, 9, 16, 17, 33, 70):
+            assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows, AMX from {threshold} rows"
+        assert torch.equal(run(raw, qtype, n, k, x[40:57]), alone[40:57])  # rows at other offsets of a tile
+
+
+def test_amx_path_is_taken_where_available(amx_min_rows):
+    rng = np.random.default_rng(3)
+    raw = quantize(rng.standard_normal((32, 512)).astype(np.float32), Q.Q4_K)
+    x = rng.standard_normal((16, 512)).astype(np.float32)
+    amx_min_rows(4)
+    run(raw, Q.Q4_K, 32, 512, x[:1])
+    assert lib.spk_last_path() == 1  # VNNI
+    run(raw, Q.Q4_K, 32, 512, x)
+    expected = 2 if lib.spk_amx_available() else 1
+    assert lib.spk_last_path() == expected
+    amx_min_rows(0)
+    run(raw, Q.Q4_K, 32, 512, x)
+    assert lib.spk_last_path() == 1
+    raw80 = quantize(rng.standard_normal((32, 512)).astype(np.float32), Q.Q8_0)
+    amx_min_rows(1)
+    run(raw80, Q.Q8_0, 32, 512, x)
+    assert lib.spk_last_path() == 1  # no AMX kernel for the 32-blocks
+
+
+def test_amx_is_available_on_a_cpu_with_amx_int8():
+    if os.environ.get("SPECULANT_AMX") == "0":
+        pytest.skip("SPECULANT_AMX=0")
+    flags = open("/proc/cpuinfo").read()
+    if "amx_int8" not in flags or "amx_tile" not in flags:
+        pytest.skip("this CPU has no AMX-INT8")
+    assert lib.spk_amx_available() == 1, "the CPU has AMX-INT8 but the library cannot use it"
 
 
 def test_unsupported_shapes_are_refused():
