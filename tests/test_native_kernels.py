@@ -7,6 +7,8 @@ however many rows are computed with it."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -128,6 +130,29 @@ def test_amx_is_available_on_a_cpu_with_amx_int8():
     if "amx_int8" not in flags or "amx_tile" not in flags:
         pytest.skip("this CPU has no AMX-INT8")
     assert lib.spk_amx_available() == 1, "the CPU has AMX-INT8 but the library cannot use it"
+
+
+def test_amx_calls_between_torch_amx_calls_on_the_same_thread():
+    """oneDNN's AMX kernels (torch's bf16 matmuls) load their own tile config and release the tiles
+    on the calling thread; the next AMX call must load ours again (a tile op without it is SIGILL,
+    which would kill the process: hence a subprocess)."""
+    code = """if True:
+        import numpy as np, torch
+        from gguf import GGMLQuantizationType as Q
+        from speculant.testing.tiny_gguf import quantize
+        from speculant_cpu import native
+        lib = native.load()
+        raw = quantize(np.random.default_rng(0).standard_normal((32, 512)).astype(np.float32), Q.Q6_K)
+        x = np.random.default_rng(1).standard_normal((16, 512)).astype(np.float32)
+        y = np.empty((16, 32), np.float32)
+        a, w = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(128, 256, dtype=torch.bfloat16)
+        for _ in range(3):
+            assert lib.spk_linear(int(Q.Q6_K), raw.ctypes.data, 32, 512, x.ctypes.data, 16, y.ctypes.data) == 0
+            torch.nn.functional.linear(a, w)
+        print("ok")
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
 
 
 def test_unsupported_shapes_are_refused():

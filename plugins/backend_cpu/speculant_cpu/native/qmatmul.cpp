@@ -443,13 +443,17 @@ struct alignas(64) TileCfg {
 // All eight tiles 16 x 64 bytes: tmm0, 1 = C (plane 1, 2); tmm2, 3 = A plane 1; tmm4, 5 = A plane 2;
 // tmm6, 7 = B (alternating over the four K steps of a block).
 const TileCfg TILE_CFG;
-thread_local bool t_configured = false;  // each thread loads the config before its first tile op
 
-inline void amx_config() {
-    if (!t_configured) {
-        _tile_loadconfig(&TILE_CFG);
-        t_configured = true;
-    }
+// Each thread makes sure of the tile config when its share of a call starts. Other code on the
+// same thread (oneDNN's AMX kernels under torch, on the calling thread) loads its own config and
+// releases the tiles when done, so a config loaded once is not necessarily still there (and a tile
+// op without it is SIGILL): read the current one back (cheap) and load ours if it differs. We do
+// not release the tiles after a call: a release lets the AMX unit power down, and waking it costs
+// more than the call's whole tile work on small matrices.
+inline void tiles_ready() {
+    TileCfg cur;
+    _tile_storeconfig(&cur);
+    if (std::memcmp(&cur, &TILE_CFG, sizeof cur) != 0) _tile_loadconfig(&TILE_CFG);
 }
 
 constexpr int AMX_GROUPS_MAX = 4;  // activation groups of 16 rows per work item (ACT_TILE / 16)
@@ -502,7 +506,6 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
                float* y, int64_t ldy, const uint8_t* pf, int64_t pf_bytes) {
     constexpr bool Q4 = std::is_same<Block, BlockQ4K>::value;
     constexpr int PF_LINES = (sizeof(Block) + 63) / 64;  // per weight row and block: 16 rows' worth per block
-    amx_config();
     alignas(64) uint8_t P1[2][16 * 256], P2[2][16 * 256];  // double-buffered: block b+1 is decoded while b's tiles run
     alignas(64) int32_t C1[16][16], C2[16][16];
     alignas(64) int32_t mins[2][16][4];
@@ -839,6 +842,9 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
             end[s] = n_chunks * (s + 1) / nt;
         }
         p.run([&](int t, int) {
+#ifdef SPK_AMX
+            if (amx) tiles_ready();
+#endif
             for (int k = 0; k < nt; ++k) {
                 const int s = (t + k) % nt;
                 for (int64_t c; (c = cursor[s].fetch_add(1)) < end[s];)
@@ -852,6 +858,9 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
         const int64_t n_tiles = (m + ACT_TILE - 1) / ACT_TILE;
         std::atomic<int64_t> next{0};
         p.run([&](int, int) {
+#ifdef SPK_AMX
+            if (amx) tiles_ready();
+#endif
             for (int64_t item; (item = next.fetch_add(1)) < n_chunks * n_tiles;) {
                 const int64_t tile = item / n_chunks, chunk = item % n_chunks;
                 rows(chunk * ROW_CHUNK, std::min(n, (chunk + 1) * ROW_CHUNK), tile * ACT_TILE, std::min(m, (tile + 1) * ACT_TILE));
