@@ -149,3 +149,24 @@ def test_many_sequences_match_single():
     while engine.active():
         engine.step()
     assert [s.tokens[s.n_prompt :] for s in seqs] == singles
+
+
+def test_draft_outside_the_vocabulary_turns_speculation_off_for_that_sequence():
+    """A broken speculator proposing an id the model does not have must not crash the step
+    (the embedding would raise for every sequence in the batch): its sequence goes on plain."""
+    truth = plain(ToyModel())
+
+    class OutOfVocab:
+        spec_type = "broken"
+
+        @hookimpl
+        def propose(self, seq, limits):
+            return Draft([N_VOCAB + 5], self.spec_type)
+
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, adaptive=False), [OutOfVocab()])
+    seq = engine.add(PROMPT, 40)
+    out = []
+    while seq.finish_reason is None:
+        out += engine.step()[seq.seq_id]
+    assert out == truth
+    assert "outside the vocabulary" in seq.spec_error

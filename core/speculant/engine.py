@@ -139,6 +139,7 @@ class Engine:
         self.controller = DraftLengthController(enabled=config.adaptive)
         self.spec_stats: dict[str, SpecTypeStats] = {}
         self.eog = frozenset(getattr(model.tokenizer, "eog_ids", ()) or ())
+        self.n_vocab = model.info.n_vocab
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
 
@@ -278,6 +279,10 @@ class Engine:
                 continue
             draft = p.draft
             if draft is None or len(draft) < max(1, request.limits.n_min):
+                continue
+            bad = next((t for t in draft.tokens if not 0 <= t < self.n_vocab), None)
+            if bad is not None:  # a broken speculator: never let it reach the target's embedding
+                seq.spec_error = f"{draft.spec_type} drafted token id {bad}, outside the vocabulary of {self.n_vocab}"
                 continue
             keep = self.controller.best_length(draft.spec_type, len(draft))
             if keep < len(draft):
