@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -73,7 +74,8 @@ struct Act {
     // AMX layout (Q8_K only): groups of 16 rows, the last one padded with zero rows.
     std::vector<int8_t> bt;     // [group, nb, 64, 16, 4]: a tile B per block (value v of row i at [v/4][i][v%4])
     std::vector<float> dt;      // [group, nb, 16]: scales, lane = row in the group
-    std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of bsum32 [4][16]; Q6_K: bsum256 [16]
+    std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of the sums of each 32 values [4][16];
+                                //                  Q6_K: the sums of all 256 values [16]
 };
 
 // llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude (the first
@@ -458,29 +460,62 @@ inline void tiles_ready() {
 
 constexpr int AMX_GROUPS_MAX = 4;  // activation groups of 16 rows per work item (ACT_TILE / 16)
 
-// One weight row's block into the two planes (256 bytes each, in the order the activations' B
-// tiles use: Q4_K's q4k_order, Q6_K natural) and its scalars.
-inline void amx_decode(const BlockQ4K& blk, uint8_t* P1, uint8_t* P2, int32_t* mins, float* d, float* dmin) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
-    const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
-                          _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
-    const __m128i s8 = q4k_scales(blk);  // [sc0..7, mn0..7]
-    const __m256i sm = _mm256_cvtepu8_epi16(s8);
-    const __m512i smz = _mm512_castsi256_si512(sm);
-    const __m512i hi = _mm512_srli_epi16(smz, 3), lo = _mm512_and_si512(smz, _mm512_set1_epi16(7));
-    for (int z = 0; z < 4; ++z) {
-        // (q_even + 256 q_odd) * s = q_even s + 256 q_odd s: both products < 256, so the 16-bit
-        // multiply gives the bytes' products in place.
-        _mm512_store_si512(P1 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(Q4.idx[z], hi)));
-        _mm512_store_si512(P2 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(Q4.idx[z], lo)));
+// Q4.idx for a vpermw source holding two rows' 16 scale words: row parity p reads words 16p + ...
+struct Q4PairIdx {
+    __m512i idx[2][4];
+    Q4PairIdx() {
+        for (int p = 0; p < 2; ++p)
+            for (int z = 0; z < 4; ++z) idx[p][z] = _mm512_add_epi16(Q4.idx[z], _mm512_set1_epi16((short)(16 * p)));
     }
-    _mm_store_si128((__m128i*)mins, _mm256_extracti128_si256(sm, 1));  // int16 pairs (mn_2p, mn_2p+1)
-    *d = f16(blk.d);
-    *dmin = f16(blk.dmin);
+};
+
+const Q4PairIdx Q4P;
+
+// Block b of four weight rows r0 .. r0 + 3 of a chunk (rows past nr read row nr - 1's header and
+// get no planes) into the two planes (256 bytes a row, in q4k_order, the order of the
+// activations' B tiles), the int16 pairs of their mins and dd[r] = (d, dmin). The 12-byte scale fields of the four rows unpack together.
+inline void amx_decode_q4k(const uint8_t* W, size_t row_bytes, int b, int r0, int nr, uint8_t* P1, uint8_t* P2,
+                           int32_t (*mins)[4], float (*dd)[2]) {
+    const uint8_t* h[4];
+    for (int l = 0; l < 4; ++l) h[l] = W + (size_t)std::min(r0 + l, nr - 1) * row_bytes + (size_t)b * sizeof(BlockQ4K);
+    // each 128-bit lane: the dwords (d | dmin, u0, u1, u2) of a row; q4k_scales lane-wise:
+    // (u0 & 3f, (u2 & 0f) | (u0 >> 2 & 30), u1 & 3f, (u2 >> 4 & 0f) | (u1 >> 2 & 30))
+    __m512i H = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)h[0]));
+    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[1]), 1);
+    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[2]), 2);
+    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[3]), 3);
+    const __m512i shifts = _mm512_set4_epi32(4, 0, 0, 0);
+    const __m512i mask_x = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
+    const __m512i mask_y = _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0);
+    const __m512i X = _mm512_srlv_epi32(_mm512_shuffle_epi32(H, (_MM_PERM_ENUM)0xED), shifts);                  // (u0, u2, u1, u2)
+    const __m512i Y = _mm512_and_si512(_mm512_srli_epi32(_mm512_shuffle_epi32(H, (_MM_PERM_ENUM)0xA5), 2), mask_y);  // (u0, u0, u1, u1)
+    const __m512i s8 = _mm512_ternarylogic_epi32(X, mask_x, Y, 0xEA);                                            // (X & mask_x) | Y
+    const __m512i w[2] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(s8)), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(s8, 1))};
+    // the mins' int16 pairs (mn_2p, mn_2p+1): the upper 16 bytes of each row's 32 scale words
+    _mm256_store_si256((__m256i*)mins[r0], _mm512_castsi512_si256(_mm512_maskz_compress_epi64(0xCC, w[0])));
+    _mm256_store_si256((__m256i*)mins[r0 + 2], _mm512_castsi512_si256(_mm512_maskz_compress_epi64(0xCC, w[1])));
+    _mm256_store_ps(dd[r0], _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_maskz_compress_epi32(0x1111, H))));
+    const __m512i m4 = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi16(7);
+    const __m512i hi[2] = {_mm512_srli_epi16(w[0], 3), _mm512_srli_epi16(w[1], 3)};
+    const __m512i lo[2] = {_mm512_and_si512(w[0], seven), _mm512_and_si512(w[1], seven)};
+    for (int l = 0; l < 4 && r0 + l < nr; ++l) {
+        const uint8_t* qs = h[l] + offsetof(BlockQ4K, qs);
+        const __m512i q0 = _mm512_loadu_si512(qs), q1 = _mm512_loadu_si512(qs + 64);
+        const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                              _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+        uint8_t* p1 = P1 + 256 * (r0 + l);
+        uint8_t* p2 = P2 + 256 * (r0 + l);
+        for (int z = 0; z < 4; ++z) {
+            // (q_even + 256 q_odd) * s = q_even s + 256 q_odd s: both products < 256, so the
+            // 16-bit multiply gives the bytes' products in place.
+            _mm512_store_si512(p1 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(Q4P.idx[l & 1][z], hi[l / 2])));
+            _mm512_store_si512(p2 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(Q4P.idx[l & 1][z], lo[l / 2])));
+        }
+    }
 }
 
-inline void amx_decode(const BlockQ6K& blk, uint8_t* P1, uint8_t* P2, int32_t*, float* d, float* dmin) {
+// Q6_K: one weight row's block into the two planes (natural order) and dd = (d, 0).
+inline void amx_decode_q6k(const BlockQ6K& blk, uint8_t* P1, uint8_t* P2, float* dd) {
     __m512i q[4];
     q6k_values(blk, q);
     const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales)));
@@ -494,8 +529,8 @@ inline void amx_decode(const BlockQ6K& blk, uint8_t* P1, uint8_t* P2, int32_t*, 
         _mm512_store_si512(P1 + 64 * z, _mm512_mask_blend_epi8(odd, pe, _mm512_slli_epi16(po, 8)));
         _mm512_store_si512(P2 + 64 * z, _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(pe, 8), po));
     }
-    *d = f16(blk.d);
-    *dmin = 0.f;
+    dd[0] = f16(blk.d);
+    dd[1] = 0.f;
 }
 
 // Weight rows [0, nr) (nr <= 16) of a chunk against activation groups g0 .. g0 + ng - 1; the
@@ -508,25 +543,31 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
     constexpr int PF_LINES = (sizeof(Block) + 63) / 64;  // per weight row and block: 16 rows' worth per block
     alignas(64) uint8_t P1[2][16 * 256], P2[2][16 * 256];  // double-buffered: block b+1 is decoded while b's tiles run
     alignas(64) int32_t C1[16][16], C2[16][16];
-    alignas(64) int32_t mins[2][16][4];
-    alignas(64) float d[2][16], dmin[2][16];
+    alignas(64) int32_t mins[2][16][4]; // Q4_K: the mins of each row as int16 pairs
+    alignas(64) float dd[2][16][2];     // (d, dmin) of each row
     alignas(64) float acc[AMX_GROUPS_MAX][16][16];
     for (int u = 0; u < 2; ++u)
         for (int r = nr; r < 16; ++r) {  // rows past the weights: zeros
             std::memset(P1[u] + 256 * r, 0, 256);
             std::memset(P2[u] + 256 * r, 0, 256);
-            std::memset(mins[u][r], 0, sizeof mins[u][r]);
-            d[u][r] = dmin[u][r] = 0.f;
         }
+    std::memset(mins, 0, sizeof mins);
+    std::memset(dd, 0, sizeof dd);
     for (int g = 0; g < ng; ++g)
         for (int r = 0; r < 16; ++r) _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
     const char* pf_cur = (const char*)pf;
     const char* const pf_end = pf_cur + pf_bytes;
     auto decode = [&](int b, int u) {
-        for (int r = 0; r < nr; ++r) {
-            for (int l = 0; l < PF_LINES && pf_cur < pf_end; ++l, pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T0);
-            const Block& blk = ((const Block*)(W + r * row_bytes))[b];
-            amx_decode(blk, P1[u] + 256 * r, P2[u] + 256 * r, mins[u][r], d[u] + r, dmin[u] + r);
+        if constexpr (Q4) {
+            for (int r0 = 0; r0 < nr; r0 += 4) {
+                for (int l = 0; l < 4 * PF_LINES && pf_cur < pf_end; ++l, pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T0);
+                amx_decode_q4k(W, row_bytes, b, r0, nr, P1[u], P2[u], mins[u], dd[u]);
+            }
+        } else {
+            for (int r = 0; r < nr; ++r) {
+                for (int l = 0; l < PF_LINES && pf_cur < pf_end; ++l, pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T0);
+                amx_decode_q6k(((const BlockQ6K*)(W + r * row_bytes))[b], P1[u] + 256 * r, P2[u] + 256 * r, dd[u][r]);
+            }
         }
     };
     decode(0, 0);
@@ -563,23 +604,24 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
             _tile_stored(1, C2, 64);
             if (g == 0 && b + 1 < nb) decode(b + 1, u ^ 1);  // vector work while the tiles run
             const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
-            const int32_t* bp = a.bp.data() + gb * 64;
             if constexpr (Q4) {
+                const int32_t* bp = a.bp.data() + gb * 64;
                 const __m512i bp0 = _mm512_loadu_si512(bp), bp1 = _mm512_loadu_si512(bp + 16);
                 const __m512i bp2 = _mm512_loadu_si512(bp + 32), bp3 = _mm512_loadu_si512(bp + 48);
                 for (int r = 0; r < nr; ++r) {
                     const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C1[r]), 3), _mm512_load_si512(C2[r]));
-                    __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mins[u][r][0]), bp0);
-                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mins[u][r][1]), bp1);
-                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mins[u][r][2]), bp2);
-                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mins[u][r][3]), bp3);
-                    _mm512_store_ps(acc[g][r], epilogue_q4k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(d[u][r]), _mm512_set1_ps(dmin[u][r]), dx, isum, msum));
+                    const int32_t* mn = mins[u][r];
+                    __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mn[0]), bp0);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[1]), bp1);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[2]), bp2);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[3]), bp3);
+                    _mm512_store_ps(acc[g][r], epilogue_q4k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(dd[u][r][0]), _mm512_set1_ps(dd[u][r][1]), dx, isum, msum));
                 }
             } else {
-                const __m512i bsum = _mm512_slli_epi32(_mm512_loadu_si512(bp), 12);
+                const __m512i bsum = _mm512_slli_epi32(_mm512_loadu_si512(a.bp.data() + gb * 64), 12);
                 for (int r = 0; r < nr; ++r) {
                     const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_load_si512(C1[r]), _mm512_slli_epi32(_mm512_load_si512(C2[r]), 8)), bsum);
-                    _mm512_store_ps(acc[g][r], epilogue_q6k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(d[u][r]), dx, isum));
+                    _mm512_store_ps(acc[g][r], epilogue_q6k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(dd[u][r][0]), dx, isum));
                 }
             }
         }
