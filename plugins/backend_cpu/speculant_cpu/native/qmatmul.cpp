@@ -201,7 +201,13 @@ inline __m512 epilogue_q4k(__m512 acc, __m512 d, __m512 dmin, __m512 dx, __m512i
     return _mm512_add_ps(acc, _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)),
                                             _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum))));
 }
+inline __m128 epilogue_q4k(__m128 acc, __m128 d, __m128 dmin, __m128 dx, __m128i isum, __m128i msum) {
+    return _mm_add_ps(acc, _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(isum)), _mm_mul_ps(_mm_mul_ps(dmin, dx), _mm_cvtepi32_ps(msum))));
+}
 inline float epilogue_q6k(float acc, float d, float dx, int32_t isum) { return acc + (d * dx) * (float)isum; }
+inline __m128 epilogue_q6k(__m128 acc, __m128 d, __m128 dx, __m128i isum) {
+    return _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(isum)));
+}
 inline __m512 epilogue_q6k(__m512 acc, __m512 d, __m512 dx, __m512i isum) {
     return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)));
 }
@@ -227,6 +233,18 @@ inline float hsum128(__m128 v) {
 inline __m128i fold512(__m512i v) {
     const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// Lane t: the sum of the int32 lanes of v[t] (the four reduced together).
+inline __m128i hsum4(const __m512i v[4]) {
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+    return fold512(_mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd)));
+}
+inline __m128i hsum4(const __m128i v[4]) {
+    const __m128i ab = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
+    const __m128i cd = _mm_add_epi32(_mm_unpacklo_epi32(v[2], v[3]), _mm_unpackhi_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
 }
 
 // The 12 packed bytes of a Q4_K block hold eight 6-bit scales and eight 6-bit mins: unpacked
@@ -259,10 +277,13 @@ struct Q4Idx {
 
 const Q4Idx Q4;
 
+// The epilogue runs on four activation rows at once, lane-wise (the same operations as the scalar
+// form, so the same results as the AMX kernel's lanes).
 template <int NR>
 void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    float s[NR];
-    for (int i = 0; i < NR; ++i) s[i] = 0.f;
+    constexpr int NG = (NR + 3) / 4;
+    __m128 s[NG];
+    for (int g = 0; g < NG; ++g) s[g] = _mm_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
         const BlockQ4K& blk = w[b];
@@ -277,21 +298,35 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
         const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
         const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
         const __m512i lo1 = _mm512_and_si512(q1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
-        for (int i = 0; i < NR; ++i) {
-            const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
-            const int8_t* xq = a.qs.data() + ab * 256;
-            __m512i acc = _mm512_madd_epi16(_mm512_maddubs_epi16(lo0, _mm512_loadu_si512(xq)), s0);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(hi0, _mm512_loadu_si512(xq + 64)), s1);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(lo1, _mm512_loadu_si512(xq + 128)), s2);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(hi1, _mm512_loadu_si512(xq + 192)), s3);
-            const __m128i bs = _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8));
-            // [isum partials] and [msum partials] folded together: lanes 0, 1 = isum, msum
-            __m128i h = _mm_hadd_epi32(fold512(acc), _mm_madd_epi16(mins, bs));
-            h = _mm_hadd_epi32(h, h);
-            s[i] = epilogue_q4k(s[i], d, dmin, a.d[ab], _mm_cvtsi128_si32(h), _mm_extract_epi32(h, 1));
+        for (int g = 0; g < NG; ++g) {
+            __m512i acc[4];
+            __m128i mm[4];
+            float dx[4];
+            for (int t = 0; t < 4; ++t) {
+                const int i = 4 * g + t;
+                if (i >= NR) {
+                    acc[t] = _mm512_setzero_si512();
+                    mm[t] = _mm_setzero_si128();
+                    dx[t] = 0.f;
+                    continue;
+                }
+                const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+                const int8_t* xq = a.qs.data() + ab * 256;
+                acc[t] = _mm512_madd_epi16(_mm512_maddubs_epi16(lo0, _mm512_loadu_si512(xq)), s0);
+                acc[t] = _mm512_dpwssd_epi32(acc[t], _mm512_maddubs_epi16(hi0, _mm512_loadu_si512(xq + 64)), s1);
+                acc[t] = _mm512_dpwssd_epi32(acc[t], _mm512_maddubs_epi16(lo1, _mm512_loadu_si512(xq + 128)), s2);
+                acc[t] = _mm512_dpwssd_epi32(acc[t], _mm512_maddubs_epi16(hi1, _mm512_loadu_si512(xq + 192)), s3);
+                mm[t] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8)));
+                dx[t] = a.d[ab];
+            }
+            s[g] = epilogue_q4k(s[g], _mm_set1_ps(d), _mm_set1_ps(dmin), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc), hsum4(mm));
         }
     }
-    for (int i = 0; i < NR; ++i) y[i * ldy] = s[i];
+    for (int i = 0; i < NR; ++i) {
+        alignas(16) float out[4];
+        _mm_store_ps(out, s[i / 4]);
+        y[i * ldy] = out[i % 4];
+    }
 }
 
 // Index vectors spreading 16 int16 scales over the 4 zmm of a Q6_K block: zmm g, int16 lane t
@@ -325,8 +360,9 @@ inline void q6k_values(const BlockQ6K& blk, __m512i q[4]) {
 
 template <int NR>
 void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    float s[NR];
-    for (int i = 0; i < NR; ++i) s[i] = 0.f;
+    constexpr int NG = (NR + 3) / 4;
+    __m128 s[NG];
+    for (int g = 0; g < NG; ++g) s[g] = _mm_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         const BlockQ6K& blk = w[b];
         prefetch(&blk, sizeof(BlockQ6K));
@@ -337,24 +373,36 @@ void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t 
         const __m512i sc16z = _mm512_castsi256_si512(sc16);
         __m512i sg[4];
         for (int g = 0; g < 4; ++g) sg[g] = _mm512_permutexvar_epi16(Q6.idx[g], sc16z);
-        for (int i = 0; i < NR; ++i) {
-            const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
-            const int8_t* xq = a.qs.data() + ab * 256;
-            __m512i acc = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], _mm512_loadu_si512(xq)), sg[0]);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[1], _mm512_loadu_si512(xq + 64)), sg[1]);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[2], _mm512_loadu_si512(xq + 128)), sg[2]);
-            acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q[3], _mm512_loadu_si512(xq + 192)), sg[3]);
-            // The stored values are q + 32: subtract 32 * sum_g scale_g * sum(x in group g).
-            const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
-            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-            acc = _mm512_sub_epi32(acc, _mm512_zextsi256_si512(corr));
-            __m128i h = fold512(acc);
-            h = _mm_hadd_epi32(h, h);
-            h = _mm_hadd_epi32(h, h);
-            s[i] = epilogue_q6k(s[i], d, a.d[ab], _mm_cvtsi128_si32(h));
+        for (int g = 0; g < NG; ++g) {
+            __m512i acc[4];
+            float dx[4];
+            for (int t = 0; t < 4; ++t) {
+                const int i = 4 * g + t;
+                if (i >= NR) {
+                    acc[t] = _mm512_setzero_si512();
+                    dx[t] = 0.f;
+                    continue;
+                }
+                const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+                const int8_t* xq = a.qs.data() + ab * 256;
+                __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], _mm512_loadu_si512(xq)), sg[0]);
+                v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[1], _mm512_loadu_si512(xq + 64)), sg[1]);
+                v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[2], _mm512_loadu_si512(xq + 128)), sg[2]);
+                v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[3], _mm512_loadu_si512(xq + 192)), sg[3]);
+                // The stored values are q + 32: subtract 32 * sum_g scale_g * sum(x in group g).
+                const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
+                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+                acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
+                dx[t] = a.d[ab];
+            }
+            s[g] = epilogue_q6k(s[g], _mm_set1_ps(d), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc));
         }
     }
-    for (int i = 0; i < NR; ++i) y[i * ldy] = s[i];
+    for (int i = 0; i < NR; ++i) {
+        alignas(16) float out[4];
+        _mm_store_ps(out, s[i / 4]);
+        y[i * ldy] = out[i % 4];
+    }
 }
 
 // Blocks of 32 with one fp16 scale (Q8_0, Q5_0, Q4_0): decode to signed bytes, then the same
@@ -764,8 +812,8 @@ Act g_act;
 
 // Q4_K / Q6_K calls with at least this many rows take the AMX kernel (0: never): its cost is
 // about flat from 1 to 16 rows, the VNNI kernels' grows with each row (measured on a Sapphire
-// Rapids core, the 1.5B model's weights, one thread: about even at 3-4 rows).
-int g_amx_min_rows = 4;
+// Rapids core, the 1.5B model's weights, one thread: about even at 5 rows).
+int g_amx_min_rows = 5;
 int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX
 
 }  // namespace
