@@ -588,7 +588,6 @@ template <class Block>
 void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int g0, int ng, int64_t i0, int64_t i1,
                float* y, int64_t ldy, const uint8_t* pf, int64_t pf_bytes) {
     constexpr bool Q4 = std::is_same<Block, BlockQ4K>::value;
-    constexpr int PF_LINES = (sizeof(Block) + 63) / 64;  // per weight row and block: 16 rows' worth per block
     alignas(64) uint8_t P1[2][16 * 256], P2[2][16 * 256];  // double-buffered: block b+1 is decoded while b's tiles run
     alignas(64) int32_t C1[16][16], C2[16][16];
     alignas(64) int32_t mins[2][16][4]; // Q4_K: the mins of each row as int16 pairs
@@ -603,23 +602,32 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
     std::memset(dd, 0, sizeof dd);
     for (int g = 0; g < ng; ++g)
         for (int r = 0; r < 16; ++r) _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
+    // The next chunk streams in while this one computes: a share of it per block, its prefetches
+    // spread over the block's phases so that the memory requests never stop.
     const char* pf_cur = (const char*)pf;
     const char* const pf_end = pf_cur + pf_bytes;
-    auto decode = [&](int b, int u) {
+    const int64_t pf_block = (pf_bytes + nb - 1) / nb;
+    int64_t pf_base = 0;  // this block's share starts here
+    auto prefetch_to = [&](int64_t share) {  // up to `share` (of 64) of this block's share
+        const char* e = std::min(pf_end, (const char*)pf + pf_base + pf_block * share / 64);
+        for (; pf_cur < e; pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T1);
+    };
+    auto decode = [&](int b, int u) {  // prefetches shares 16..48
         if constexpr (Q4) {
             for (int r0 = 0; r0 < nr; r0 += 4) {
-                for (int l = 0; l < 4 * PF_LINES && pf_cur < pf_end; ++l, pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T0);
+                prefetch_to(16 + 8 * (r0 / 4 + 1));
                 amx_decode_q4k(W, row_bytes, b, r0, nr, P1[u], P2[u], mins[u], dd[u]);
             }
         } else {
             for (int r = 0; r < nr; ++r) {
-                for (int l = 0; l < PF_LINES && pf_cur < pf_end; ++l, pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T0);
+                prefetch_to(16 + 2 * (r + 1));
                 amx_decode_q6k(((const BlockQ6K*)(W + r * row_bytes))[b], P1[u] + 256 * r, P2[u] + 256 * r, dd[u][r]);
             }
         }
     };
     decode(0, 0);
-    for (int b = 0; b < nb; ++b) {
+    for (int b = 0; b < nb; ++b, pf_base += pf_block) {
+        prefetch_to(16);
         const int u = b & 1;
         const uint8_t* p1 = P1[u];
         const uint8_t* p2 = P2[u];
@@ -657,6 +665,7 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
                 const __m512i bp0 = _mm512_loadu_si512(bp), bp1 = _mm512_loadu_si512(bp + 16);
                 const __m512i bp2 = _mm512_loadu_si512(bp + 32), bp3 = _mm512_loadu_si512(bp + 48);
                 for (int r = 0; r < nr; ++r) {
+                    if (g == 0) prefetch_to(48 + r + 1);
                     const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C1[r]), 3), _mm512_load_si512(C2[r]));
                     const int32_t* mn = mins[u][r];
                     __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mn[0]), bp0);
@@ -668,11 +677,13 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
             } else {
                 const __m512i bsum = _mm512_slli_epi32(_mm512_loadu_si512(a.bp.data() + gb * 64), 12);
                 for (int r = 0; r < nr; ++r) {
+                    if (g == 0) prefetch_to(48 + r + 1);
                     const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_load_si512(C1[r]), _mm512_slli_epi32(_mm512_load_si512(C2[r]), 8)), bsum);
                     _mm512_store_ps(acc[g][r], epilogue_q6k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(dd[u][r][0]), dx, isum));
                 }
             }
         }
+        prefetch_to(64);
     }
     for (int g = 0; g < ng; ++g)
         for (int lane = 0; lane < 16; ++lane) {
