@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,15 @@ class QuantEmbedding:
         return dequantize_rows(self.raw, self.qtype, self.shape, ids)
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(f"speculant: {message}", file=sys.stderr)
+
+
 class CpuBackend:
     name = "cpu"
     device = torch.device("cpu")
@@ -118,6 +128,8 @@ class CpuBackend:
         if use_native is None:
             use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
         self.native = native.load() if use_native else None
+        if use_native and self.native is None:
+            _warn_once(f"native CPU kernels unavailable ({native.why_unavailable()}); using torch's kernels, which are slower")
         # An fp16 cache, as llama.cpp keeps by default: half the memory, and its rounding.
         self.kv_dtype = torch.float16 if self.native is not None else torch.float32
         if self.native is not None:
