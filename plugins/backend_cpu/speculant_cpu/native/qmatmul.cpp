@@ -13,9 +13,9 @@
 // per (weight row, activation row, 256-block), the same EXACT integers
 //   Q4_K: isum = sum_j sc_j * (sum_{i in sub-block j} q_i x_i),  msum = sum_j min_j * bsum32_j
 //   Q6_K: isum = sum_g sc_g * (sum_{i in g} q_i x_i) - 32 * sum_g sc_g * bsum16_g
-// and then the one canonical fp32 epilogue below (epilogue_q4k / epilogue_q6k), in block order:
-// scalar in the VNNI kernels, lane-wise in the AMX kernel. The library is built with
-// -ffp-contract=off so the compiler fuses neither into an FMA.
+// and then the one canonical fp32 epilogue below (epilogue_q4k / epilogue_q6k), in block order,
+// lane-wise: 4 activation rows per xmm in the VNNI kernels, 16 per zmm in the AMX kernel. The
+// library is built with -ffp-contract=off so that the compiler fuses none of it into an FMA.
 //
 // Called through ctypes (no Python or torch headers: it builds in about a second). Threads come
 // from a small pool of our own; the caller runs a share of the work too.
@@ -189,14 +189,14 @@ void quantize_q80_row(const float* x, int nb, int8_t* qs, float* d) {
 
 // ---------------------------------------------------------------------------------------------
 // The canonical K-quant epilogue: one block's exact integer sums into the fp32 accumulator of a
-// (weight row, activation row). The scalar and the lane-wise forms do the same IEEE operations in
-// the same order (no FMA: -ffp-contract=off), so they round identically. Integer range: |x| <=
-// 127; Q4_K: q <= 15, sc, min <= 63, so |isum| <= 8*63*32*15*127 = 30.7M and |msum| <= 8*63*32*127
-// = 2.0M; Q6_K: q <= 63, |sc| <= 128, so |isum| <= 16*128*16*63*127 + 32*16*128*16*127 = 395M:
-// all within int32. (float)isum rounds to nearest in both forms (cvtsi2ss / cvtdq2ps, MXCSR).
-inline float epilogue_q4k(float acc, float d, float dmin, float dx, int32_t isum, int32_t msum) {
-    return acc + ((d * dx) * (float)isum - (dmin * dx) * (float)msum);
-}
+// (weight row, activation row), per lane
+//   Q4_K: acc = acc + ((d * dx) * (float)isum - (dmin * dx) * (float)msum)
+//   Q6_K: acc = acc + (d * dx) * (float)isum
+// (d, dmin: the weight block's scales, dx: the activation block's). Every form below does these
+// IEEE operations in this order (no FMA: -ffp-contract=off), so they round identically. Integer
+// range: |x| <= 127; Q4_K: q <= 15, sc, min <= 63, so |isum| <= 8*63*32*15*127 = 30.7M and |msum|
+// <= 8*63*32*127 = 2.0M; Q6_K: q <= 63, |sc| <= 128, so |isum| <= 16*128*16*63*127 +
+// 32*16*128*16*127 = 395M: all within int32. (float)isum: cvtdq2ps, rounding to nearest (MXCSR).
 inline __m512 epilogue_q4k(__m512 acc, __m512 d, __m512 dmin, __m512 dx, __m512i isum, __m512i msum) {
     return _mm512_add_ps(acc, _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)),
                                             _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum))));
@@ -204,7 +204,6 @@ inline __m512 epilogue_q4k(__m512 acc, __m512 d, __m512 dmin, __m512 dx, __m512i
 inline __m128 epilogue_q4k(__m128 acc, __m128 d, __m128 dmin, __m128 dx, __m128i isum, __m128i msum) {
     return _mm_add_ps(acc, _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(isum)), _mm_mul_ps(_mm_mul_ps(dmin, dx), _mm_cvtepi32_ps(msum))));
 }
-inline float epilogue_q6k(float acc, float d, float dx, int32_t isum) { return acc + (d * dx) * (float)isum; }
 inline __m128 epilogue_q6k(__m128 acc, __m128 d, __m128 dx, __m128i isum) {
     return _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(isum)));
 }
@@ -213,7 +212,9 @@ inline __m512 epilogue_q6k(__m512 acc, __m512 d, __m512 dx, __m512i isum) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// VNNI kernels: one weight row against NR activation rows.
+// VNNI kernels: one weight row against NR activation rows (Q8_0/Q5_0/Q4_0: fp32 accumulation in
+// vector lanes, the same for every row; Q4_K/Q6_K: the integer sums reduced per block, then the
+// canonical epilogue).
 
 // Software prefetch distance for the weight stream: the hardware prefetcher alone leaves a
 // single core at about half of its memory bandwidth on these kernels.
@@ -844,6 +845,16 @@ int spk_threads() { return pool().size(); }
 // it, Linux granted the tile state, SPECULANT_AMX is not 0).
 int spk_amx_available() { return amx_ok() ? 1 : 0; }
 
+// 1 when the library was compiled with the AMX kernel (a compiler that knows AMX, -march=native on
+// a CPU that has it).
+int spk_amx_built() {
+#ifdef SPK_AMX
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // Calls with at least `rows` rows take the AMX path where available (0: never); returns the old value.
 int spk_set_amx_min_rows(int rows) {
     std::lock_guard<std::mutex> lock(g_call_mu);
@@ -909,7 +920,9 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
     }
 
     const uint8_t* W = (const uint8_t*)weights;
+#ifdef SPK_AMX
     const int64_t w_bytes = n * (int64_t)row_bytes;
+#endif
     auto rows = [&](int64_t r0, int64_t r1, int64_t a0, int64_t a1) {
 #ifdef SPK_AMX
         if (amx) {  // r1 - r0 <= ROW_CHUNK = 16, a0 a multiple of 16, a1 - a0 <= ACT_TILE
