@@ -17,6 +17,9 @@ Two decisions use it:
 
 Acceptance is tracked per spec type with exponential forgetting, the forward cost per row count.
 A declined spec type is still probed now and then so it can win back when text turns repetitive.
+A probe is two drafts in a row for one sequence, and only the second one's cost is counted: a
+speculator that was not asked for a while may first catch up on what it missed (a draft model
+feeds the tokens of all the steps it sat out), which is not what drafting costs it.
 """
 from __future__ import annotations
 
@@ -104,6 +107,7 @@ class DraftLengthController:
     acceptance: dict[str, Acceptance] = attrs.field(factory=dict)
     costs: dict[str, DraftCost] = attrs.field(factory=dict)
     declined_in_a_row: dict[str, int] = attrs.field(factory=dict)
+    probing: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> probe drafts to go
 
     def observe_forward(self, rows: int, seconds: float) -> None:
         self.forward.observe(rows, seconds)
@@ -112,9 +116,18 @@ class DraftLengthController:
         """A verified draft: n_drafted tokens, the first n_accepted of them accepted."""
         self.acceptance.setdefault(spec_type, Acceptance()).observe(n_drafted, n_accepted)
 
-    def observe_cost(self, spec_type: str, seconds: float, n_tokens: int) -> None:
+    def observe_cost(self, spec_type: str, seconds: float, n_tokens: int, seq_id: int = 0) -> None:
         """One call of a speculator for one sequence: its seconds and the tokens it produced (0 too)."""
+        if self.probing.get((spec_type, seq_id)) == 2:  # a probe's first draft: catching up, not drafting
+            self.probing[(spec_type, seq_id)] = 1
+            return
+        self.probing.pop((spec_type, seq_id), None)
         self.costs.setdefault(spec_type, DraftCost()).observe(seconds, n_tokens)
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence ended: drop a probe left unfinished for it."""
+        for key in [k for k in self.probing if k[1] == seq_id]:
+            del self.probing[key]
 
     def draft_cost(self, spec_type: str) -> float:
         """Measured seconds per drafted token (0 before any measurement)."""
@@ -141,14 +154,17 @@ class DraftLengthController:
                 best_k, best_rate = k, rate
         return best_k
 
-    def plan(self, spec_type: str, n_max: int) -> int:
-        """How many tokens the speculator may draft (0: do not ask it), its own cost counted."""
+    def plan(self, spec_type: str, n_max: int, seq_id: int = 0) -> int:
+        """How many tokens the speculator may draft for the sequence (0: do not ask it), its own
+        cost counted."""
         if not self.enabled or n_max <= 0:
             return n_max
         if not self.forward.seconds:
             return 0  # nothing measured yet: one plain step gives the cost all drafts are compared with
         if spec_type not in self.costs:
             return min(n_max, FIRST_DRAFT)  # a first, short draft measures what the speculator costs
+        if (spec_type, seq_id) in self.probing:
+            return min(n_max, PROBE_LENGTH)  # the probe's second draft, whose cost is measured
         k = self._best(spec_type, n_max, self.draft_cost(spec_type), optimistic=True)
         if k is None:
             return n_max  # learn: verify and measure
@@ -157,6 +173,7 @@ class DraftLengthController:
             self.declined_in_a_row[spec_type] = streak
             if streak >= PROBE_EVERY:
                 self.declined_in_a_row[spec_type] = 0
+                self.probing[(spec_type, seq_id)] = 2
                 return min(n_max, PROBE_LENGTH)
             return 0
         self.declined_in_a_row[spec_type] = 0

@@ -162,6 +162,7 @@ class Engine:
     def release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.seq_id, None)
         self.context.drop(seq.seq_id)
+        self.controller.forget(seq.seq_id)
         try:
             self.chain.end(seq.seq_id)
         except Exception as e:  # the sequence is gone either way
@@ -252,7 +253,7 @@ class Engine:
     def _plan(self, request: DraftRequest, spec_type: str) -> DraftLimits:
         """The limits a speculator is asked with: its n_max cut to what pays for the draft's own
         cost and its verification (0: it is not asked, the next one of the chain is)."""
-        k = self.controller.plan(spec_type, request.limits.n_max)
+        k = self.controller.plan(spec_type, request.limits.n_max, request.seq.seq_id)
         if k <= 0:
             self._stats(spec_type).declined += 1
             self.sequences[request.seq.seq_id].stats.n_declined += 1
@@ -273,7 +274,7 @@ class Engine:
                 st = self._stats(spec_type)
                 st.draft_seconds += seconds
                 st.produced += n_tokens
-                self.controller.observe_cost(spec_type, seconds, n_tokens)
+                self.controller.observe_cost(spec_type, seconds, n_tokens, seq.seq_id)
             if p.error is not None:  # a speculator raised: this sequence goes on without speculation
                 seq.spec_error = f"{type(p.error).__name__}: {p.error}"
                 continue
