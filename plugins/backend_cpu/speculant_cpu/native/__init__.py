@@ -78,6 +78,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.spk_prefault.argtypes = [ptr, i64]
     c_int, c_float = ctypes.c_int, ctypes.c_float
     lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr]
+    lib.spk_attention_f16.restype = c_int
     return lib
 
 

@@ -7,7 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
-#include <vector>
+#include <algorithm>
 
 namespace {
 
@@ -52,45 +52,72 @@ inline void mad_f16(uint16_t* y, const uint16_t* x, float v, int n) {
 
 }  // namespace
 
+extern "C" void spk_parallel_for(int64_t n, void (*fn)(int64_t, void*), void* ctx);  // qmatmul.cpp
+
+namespace {
+
+struct AttentionCall {
+    const float* q;
+    int n_head, group, dk, dv;
+    const uint16_t *k, *v;
+    int64_t k_head_stride, v_head_stride;
+    const int64_t* positions;
+    int64_t window;
+    float scale;
+    float* out;
+};
+
+constexpr int MAX_HEAD_DIM = 1024;
+
+// One (row, head) pair: its result depends on nothing else, so any split over threads gives the
+// same bits.
+void attend_one(int64_t item, void* ctx) {
+    const AttentionCall& c = *(const AttentionCall*)ctx;
+    const int64_t r = item / c.n_head;
+    const int h = (int)(item % c.n_head);
+    const int64_t p = c.positions[r];
+    const int64_t lo = c.window > 0 ? std::max<int64_t>(0, p + 1 - c.window) : 0;
+    uint16_t q16[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    const float* qh = c.q + (r * c.n_head + h) * c.dk;
+    for (int d = 0; d < c.dk; ++d) q16[d] = _cvtss_sh(qh[d], _MM_FROUND_TO_NEAREST_INT);
+    const uint16_t* kh = c.k + (int64_t)(h / c.group) * c.k_head_stride;
+    const uint16_t* vh = c.v + (int64_t)(h / c.group) * c.v_head_stride;
+    std::fill(acc, acc + c.dv, 0);
+    float M = -INFINITY, S = 0.f;
+    for (int64_t j = lo; j <= p; ++j) {
+        const float s = dot_f16(kh + j * c.dk, q16, c.dk) * c.scale;
+        const float m_old = M;
+        float ms = 1.f, vs = 1.f;
+        if (s > M) {  // a new maximum: rescale what was summed so far
+            M = s;
+            ms = std::exp(m_old - M);
+            scale_f16(acc, ms, c.dv);
+        } else {
+            vs = std::exp(s - M);
+        }
+        mad_f16(acc, vh + j * c.dv, vs, c.dv);
+        S = S * ms + vs;
+    }
+    const float s_inv = S == 0.f ? 0.f : 1.f / S;
+    float* o = c.out + (r * c.n_head + h) * c.dv;
+    for (int d = 0; d < c.dv; ++d) o[d] = _cvtsh_ss(acc[d]) * s_inv;
+}
+
+}  // namespace
+
 extern "C" {
 
 // q [rows, n_head, dk] fp32; k [n_kv, *, dk] and v [n_kv, *, dv] fp16 with `head_stride`
 // elements between kv heads (keys of one head are contiguous); positions [rows]. Row r at
 // position p attends to keys lo..p, lo = p + 1 - window when window > 0. out [rows, n_head, dv].
-void spk_attention_f16(const float* q, int64_t rows, int n_head, int n_kv, int dk, int dv,
-                       const uint16_t* k, const uint16_t* v, int64_t k_head_stride, int64_t v_head_stride,
-                       const int64_t* positions, int64_t window, float scale, float* out) {
-    const int group = n_head / n_kv;
-    std::vector<uint16_t> q16(dk), acc(dv);
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t p = positions[r];
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, p + 1 - window) : 0;
-        for (int h = 0; h < n_head; ++h) {
-            const float* qh = q + (r * n_head + h) * dk;
-            for (int d = 0; d < dk; ++d) q16[d] = _cvtss_sh(qh[d], _MM_FROUND_TO_NEAREST_INT);
-            const uint16_t* kh = k + (int64_t)(h / group) * k_head_stride;
-            const uint16_t* vh = v + (int64_t)(h / group) * v_head_stride;
-            std::fill(acc.begin(), acc.end(), 0);
-            float M = -INFINITY, S = 0.f;
-            for (int64_t j = lo; j <= p; ++j) {
-                const float s = dot_f16(kh + j * dk, q16.data(), dk) * scale;
-                const float m_old = M;
-                float ms = 1.f, vs = 1.f;
-                if (s > M) {  // a new maximum: rescale what was summed so far
-                    M = s;
-                    ms = std::exp(m_old - M);
-                    scale_f16(acc.data(), ms, dv);
-                } else {
-                    vs = std::exp(s - M);
-                }
-                mad_f16(acc.data(), vh + j * dv, vs, dv);
-                S = S * ms + vs;
-            }
-            const float s_inv = S == 0.f ? 0.f : 1.f / S;
-            float* o = out + (r * n_head + h) * dv;
-            for (int d = 0; d < dv; ++d) o[d] = _cvtsh_ss(acc[d]) * s_inv;
-        }
-    }
+// Returns -1 (and does nothing) for head sizes above MAX_HEAD_DIM.
+int spk_attention_f16(const float* q, int64_t rows, int n_head, int n_kv, int dk, int dv,
+                      const uint16_t* k, const uint16_t* v, int64_t k_head_stride, int64_t v_head_stride,
+                      const int64_t* positions, int64_t window, float scale, float* out) {
+    if (dk > MAX_HEAD_DIM || dv > MAX_HEAD_DIM || n_kv <= 0 || n_head % n_kv != 0) return -1;
+    AttentionCall call{q, n_head, n_head / n_kv, dk, dv, k, v, k_head_stride, v_head_stride, positions, window, scale, out};
+    spk_parallel_for(rows * n_head, attend_one, &call);
+    return 0;
 }
 
 }  // extern "C"

@@ -999,4 +999,14 @@ void spk_prefault(const void* ptr, int64_t bytes) {
     });
 }
 
+// Run fn(i, ctx) for i in [0, n) on the pool's threads (for the other kernels of the library,
+// such as attention.cpp, so that one set of threads serves all of them).
+void spk_parallel_for(int64_t n, void (*fn)(int64_t, void*), void* ctx) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    std::atomic<int64_t> next{0};
+    pool().run([&](int, int) {
+        for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i, ctx);
+    });
+}
+
 }  // extern "C"
