@@ -125,6 +125,7 @@ class CpuBackend:
 
     def __init__(self, threads: int | None = None, use_native: bool | None = None):
         threads = threads or int(os.environ.get("SPECULANT_THREADS", "0")) or os.cpu_count() or 1
+        self.threads = threads
         if use_native is None:
             use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
         self.native = native.load() if use_native else None
