@@ -121,9 +121,10 @@ def run_bench(args, load) -> int:
             rows.append(r)
 
     file_bytes = os.path.getsize(args.model)
+    threads = getattr(getattr(model, "backend", None), "threads", None) or torch.get_num_threads()
     peak = peak_rss_bytes()
     print(f"model {os.path.basename(args.model)}  load {load_s:.2f} s  peak RSS {peak / 2**30:.2f} GiB "
-          f"({peak / file_bytes:.2f}x file)  threads {getattr(getattr(model, "backend", None), "threads", None) or torch.get_num_threads()}  repeats {args.repeats}")
+          f"({peak / file_bytes:.2f}x file)  threads {threads}  repeats {args.repeats}")
     print(f"{'workload':<18} {'spec':<26} {'gen':>4} {'prompt t/s':>10} {'decode t/s':>10} {'speedup':>7} "
           f"{'accept':>6} {'mean len':>8} {'declined':>8} {'draft/verify s':>14} {'draft ms/tok':>12} {'same':>4}")
     for r in rows:
@@ -136,7 +137,7 @@ def run_bench(args, load) -> int:
     if args.json:
         summary = {"model": os.path.basename(args.model), "load_s": load_s, "file_bytes": file_bytes,
                    "peak_rss_after_load_bytes": rss_after_load, "peak_rss_bytes": peak,
-                   "threads": getattr(getattr(model, "backend", None), "threads", None) or torch.get_num_threads(), "repeats": args.repeats,
+                   "threads": threads, "repeats": args.repeats,
                    "results": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
