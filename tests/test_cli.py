@@ -215,3 +215,30 @@ def test_console_run_exits_2_without_traceback(tmp_path):
     assert r.returncode == 2
     assert r.stdout == ""
     assert r.stderr == f"speculant: error: {missing}: no such file\n"
+
+
+def test_bench_runs_plain_and_speculative_with_identical_outputs(models, tmp_path, capsys):
+    import json
+
+    workloads = tmp_path / "w.json"
+    workloads.write_text(json.dumps([{"name": "repeat", "prompt": "a b c a b c a b c a b", "max_tokens": 12}]))
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "-m", str(models["qwen2"]), "--workloads", str(workloads), "--spec-type", "ngram-simple",
+                 "--json", str(out_json), "-t", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "peak RSS" in text and "ngram-simple" in text
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["spec"] for r in results] == ["none", "ngram-simple"] and all(r["identical"] for r in results)
+
+
+def test_bench_kernels_prints_the_cost_ratio_by_rows(models, capsys):
+    assert main(["bench", "-m", str(models["qwen2"]), "--kernels", "--kernels-context", "8", "-t", "1"]) == 0
+    text = capsys.readouterr().out
+    for rows in (1, 2, 4, 8, 16):
+        assert re.search(rf"^\s+{rows}\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", text, re.M), text
+    assert "time split at 16 row(s)" in text
+
+
+def test_bench_without_workloads_or_kernels_is_one_line(models, capsys):
+    assert main(["bench", "-m", str(models["qwen2"])]) == 2
+    assert "--workloads" in capsys.readouterr().err
