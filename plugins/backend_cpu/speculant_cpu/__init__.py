@@ -1,10 +1,11 @@
-"""CPU backend plugin: torch on the CPU, the default backend.
+"""CPU backend plugin: torch on the CPU plus native kernels, the default backend.
 
-Weights stay close to their GGUF size: 4-bit types (Q4_0, Q4_1, Q4_K) are repacked losslessly
-into torch's int4 weight-only format (group 32, bf16 scales) and multiplied by its fused
-dequantize-matmul kernel; every other type is dequantized once to bf16. Activations enter the
-matmuls as bf16. Both kernels are batch-invariant (a row's result does not depend on how many
-rows share the call), which the engine's bit-exactness needs; tests check it.
+On x86-64 with AVX-512 VNNI the linear layers run in native fused kernels (native/, compiled at
+first use) straight on the GGUF weights in the file's memory map, with llama.cpp's activation
+quantization; attention runs natively over an fp16 KV cache. Elsewhere torch's kernels take over:
+4-bit types repacked into torch's int4 weight-only format, the rest dequantized once to bf16.
+Every kernel is batch-invariant (a row's result does not depend on how many rows share the call),
+which the engine's bit-exactness needs; tests check it.
 """
 from speculant import hookimpl
 

@@ -72,15 +72,16 @@ class NativeLinear:
     def __init__(self, lib, info, bias):
         self.lib, self.qtype = lib, int(info.qtype)
         self.raw = info.data  # keeps the mapping alive
+        self.ptr = self.raw.ctypes.data
         self.out_features, self.in_features = info.shape
-        lib.spk_prefault(self.raw.ctypes.data, self.raw.nbytes)  # fault the pages in now, not in the first forward
+        lib.spk_prefault(self.ptr, self.raw.nbytes)  # fault the pages in now, not in the first forward
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        self.lib.spk_linear(self.qtype, self.raw.ctypes.data, self.out_features, self.in_features,
-                            x.data_ptr(), x.shape[0], y.data_ptr())
+        if self.lib.spk_linear(self.qtype, self.ptr, self.out_features, self.in_features, x.data_ptr(), x.shape[0], y.data_ptr()):
+            raise RuntimeError(f"native linear refused a {x.shape[0]}x{self.in_features} input")
         return y if self.bias is None else y + self.bias
 
 
