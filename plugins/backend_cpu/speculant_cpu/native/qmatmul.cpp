@@ -783,6 +783,71 @@ constexpr int NR_MAX = 8;       // activation rows sharing one decode of a weigh
 static_assert(ROW_CHUNK == 16 && ACT_TILE % 16 == 0 && ACT_TILE <= 16 * AMX_GROUPS_MAX, "AMX work items");
 #endif
 
+// One activation row against four weight rows (decode): the four outputs' integer sums are
+// reduced together, one transpose-reduce for four results instead of one per result, and the
+// canonical epilogue runs on them lane-wise (lane t: weight row t). Per output the same IEEE
+// operations in the same order as the kernels above, so the bits are the same.
+void dot_q4k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
+    __m128 s = _mm_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; ++b) {
+        const int64_t ab = (int64_t)i * a.nb + b;
+        const int8_t* xq = a.qs.data() + ab * 256;
+        const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
+        const __m512i x2 = _mm512_loadu_si512(xq + 128), x3 = _mm512_loadu_si512(xq + 192);
+        const __m128i bs = _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8));
+        __m512i acc[4];
+        __m128i mm[4];
+        float d[4], dmin[4];
+        for (int t = 0; t < 4; ++t) {
+            const BlockQ4K& blk = ((const BlockQ4K*)(row + t * row_bytes))[b];
+            prefetch(&blk, sizeof(BlockQ4K));
+            d[t] = f16(blk.d);
+            dmin[t] = f16(blk.dmin);
+            const __m256i sm = _mm256_cvtepu8_epi16(q4k_scales(blk));
+            const __m512i smz = _mm512_castsi256_si512(sm);
+            const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
+            __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(q0, m4), x0), _mm512_permutexvar_epi16(Q4.idx[0], smz));
+            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q0, 4), m4), x1), _mm512_permutexvar_epi16(Q4.idx[1], smz));
+            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(_mm512_and_si512(q1, m4), x2), _mm512_permutexvar_epi16(Q4.idx[2], smz));
+            acc[t] = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q1, 4), m4), x3), _mm512_permutexvar_epi16(Q4.idx[3], smz));
+            mm[t] = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bs);
+        }
+        s = epilogue_q4k(s, _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc), hsum4(mm));
+    }
+    _mm_storeu_ps(y, s);
+}
+
+void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
+    __m128 s = _mm_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const int64_t ab = (int64_t)i * a.nb + b;
+        const int8_t* xq = a.qs.data() + ab * 256;
+        const __m512i x[4] = {_mm512_loadu_si512(xq), _mm512_loadu_si512(xq + 64), _mm512_loadu_si512(xq + 128),
+                              _mm512_loadu_si512(xq + 192)};
+        const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
+        __m512i acc[4];
+        float d[4];
+        for (int t = 0; t < 4; ++t) {
+            const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
+            prefetch(&blk, sizeof(BlockQ6K));
+            d[t] = f16(blk.d);
+            __m512i q[4];
+            q6k_values(blk, q);
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
+            const __m512i sc16z = _mm512_castsi256_si512(sc16);
+            __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], x[0]), _mm512_permutexvar_epi16(Q6.idx[0], sc16z));
+            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[1], x[1]), _mm512_permutexvar_epi16(Q6.idx[1], sc16z));
+            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[2], x[2]), _mm512_permutexvar_epi16(Q6.idx[2], sc16z));
+            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[3], x[3]), _mm512_permutexvar_epi16(Q6.idx[3], sc16z));
+            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+            acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
+        }
+        s = epilogue_q6k(s, _mm_loadu_ps(d), _mm_set1_ps(a.d[ab]), hsum4(acc));
+    }
+    _mm_storeu_ps(y, s);
+}
+
 template <int NR>
 void dot_one(int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     switch (qtype) {
@@ -936,6 +1001,15 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
             return;
         }
 #endif
+        if (a1 - a0 == 1 && (qtype == T_Q4_K || qtype == T_Q6_K)) {  // decode: four weight rows at a time
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) {
+                if (qtype == T_Q4_K) dot_q4k_w4(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + a0 * n + r);
+                else dot_q6k_w4(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + a0 * n + r);
+            }
+            for (; r < r1; ++r) dot_tile(1, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+            return;
+        }
         for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {
             const int nr = (int)std::min<int64_t>(NR_MAX, a1 - i0);
             for (int64_t r = r0; r < r1; ++r)
