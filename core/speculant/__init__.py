@@ -7,11 +7,12 @@ from speculant.hookspecs import hookimpl, hookspec
 from speculant.types import Batch, Draft, DraftLimits, DraftRequest, ForwardOutput, SequenceView
 from speculant.model import Backend, Context, Model, ModelInfo, RecurrentContext
 from speculant.context import KVCache
+from speculant.options import float_where, int_in
 
 __all__ = [
     "Backend", "Batch", "Context", "DeviceUnavailable", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "KVCache", "LimitError",
     "Model", "ModelFileError", "ModelInfo", "RecurrentContext", "SequenceView", "SpeculantError",
-    "SpeculatorConfig", "hookimpl", "hookspec", "load_model",
+    "SpeculatorConfig", "float_where", "hookimpl", "hookspec", "int_in", "load_model",
 ]
 
 

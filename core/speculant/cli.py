@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 
 from speculant.errors import ModelFileError, SpeculantError
+from speculant.options import float_where as _float, int_in as _int
 
 
 # --- flags -------------------------------------------------------------------------------------
@@ -18,32 +18,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _int(low: int, high: int | None = None):
-    """An argparse type: an integer in [low, high]."""
-    expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
-        return value
-    return parse
-
-
-def _float(expected: str, ok):
-    """An argparse type: a finite float for which ok(value) holds; `expected` describes the range."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-        if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
-        return value
-    return parse
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

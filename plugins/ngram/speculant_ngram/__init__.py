@@ -5,9 +5,7 @@ names follow llama.cpp's common/speculative.cpp, ngram-map.cpp and ngram-mod.cpp
 """
 from __future__ import annotations
 
-import argparse
-
-from speculant import hookimpl
+from speculant import hookimpl, int_in
 
 from speculant_ngram.map import NgramMapK, NgramMapK4v
 from speculant_ngram.mod import NgramMod, NgramModPool
@@ -24,37 +22,21 @@ def speculant_register_speculators(register):
         register(name, cls)
 
 
-def _int_in(low: int, high: int | None = None):
-    """argparse type: an integer in [low, high]."""
-    expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
-        return value
-
-    return parse
-
-
 @hookimpl
 def speculant_add_options(parser):
     # Defaults stay None so each class applies llama.cpp's own default (and an unset flag is
     # distinguishable from one set to the default value).
     for kind in ("simple", "map-k", "map-k4v"):
-        parser.add_argument(f"--spec-ngram-{kind}-size-n", type=_int_in(1, 1024), default=None, metavar="N",
+        parser.add_argument(f"--spec-ngram-{kind}-size-n", type=int_in(1, 1024), default=None, metavar="N",
                             help=f"ngram-{kind}: n-gram length looked up in the history (default 12)")
-        parser.add_argument(f"--spec-ngram-{kind}-size-m", type=_int_in(1, 1024), default=None, metavar="M",
+        parser.add_argument(f"--spec-ngram-{kind}-size-m", type=int_in(1, 1024), default=None, metavar="M",
                             help=f"ngram-{kind}: most tokens drafted after a match (default 48)")
         note = {"simple": "; unused, as in llama.cpp", "map-k": "; unused in key-only mode, as in llama.cpp"}.get(kind, "")
-        parser.add_argument(f"--spec-ngram-{kind}-min-hits", type=_int_in(1), default=None, metavar="N",
+        parser.add_argument(f"--spec-ngram-{kind}-min-hits", type=int_in(1), default=None, metavar="N",
                             help=f"ngram-{kind}: lookups of a key before it drafts (default 1{note})")
-    parser.add_argument("--spec-ngram-mod-n-match", type=_int_in(1, 1024), default=None, metavar="N",
+    parser.add_argument("--spec-ngram-mod-n-match", type=int_in(1, 1024), default=None, metavar="N",
                         help="ngram-mod: n-gram length hashed into the shared pool (default 24)")
-    parser.add_argument("--spec-ngram-mod-n-min", type=_int_in(0, 1024), default=None, metavar="N",
+    parser.add_argument("--spec-ngram-mod-n-min", type=int_in(0, 1024), default=None, metavar="N",
                         help="ngram-mod: drop drafts shorter than this (default 48)")
-    parser.add_argument("--spec-ngram-mod-n-max", type=_int_in(0, 1024), default=None, metavar="N",
+    parser.add_argument("--spec-ngram-mod-n-max", type=int_in(0, 1024), default=None, metavar="N",
                         help="ngram-mod: most tokens drafted (default 64)")
