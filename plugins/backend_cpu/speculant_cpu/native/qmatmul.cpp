@@ -248,6 +248,19 @@ inline __m128i hsum4(const __m128i v[4]) {
     return _mm_add_epi32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
 }
 
+// The integer core shared by the Q4_K/Q6_K VNNI kernels: four zmm of unsigned weight values
+// times four zmm of activations, pairs summed and weighted by their int16 scales into int32 lanes.
+inline __m512i scaled_dot4(const __m512i q[4], const __m512i sc[4], const __m512i x[4]) {
+    __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], x[0]), sc[0]);
+    v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[1], x[1]), sc[1]);
+    v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[2], x[2]), sc[2]);
+    return _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[3], x[3]), sc[3]);
+}
+
+inline void load_x4(const int8_t* xq, __m512i x[4]) {
+    for (int z = 0; z < 4; ++z) x[z] = _mm512_loadu_si512(xq + 64 * z);
+}
+
 // The 12 packed bytes of a Q4_K block hold eight 6-bit scales and eight 6-bit mins: unpacked
 // into [sc0..sc7, mn0..mn7] as 16 bytes.
 inline __m128i q4k_scales(const BlockQ4K& blk) {
@@ -278,6 +291,17 @@ struct Q4Idx {
 
 const Q4Idx Q4;
 
+// A Q4_K block's 256 4-bit values as four zmm, in the q4k order of the activations: the low and
+// high nibbles of its first 64 packed bytes, then of the next 64.
+inline void q4k_values(const BlockQ4K& blk, __m512i q[4]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
+    q[0] = _mm512_and_si512(q0, m4);
+    q[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+    q[2] = _mm512_and_si512(q1, m4);
+    q[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+}
+
 // The epilogue runs on four activation rows at once, lane-wise (the same operations as the scalar
 // form, so the same results as the AMX kernel's lanes).
 template <int NR>
@@ -285,7 +309,6 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
     constexpr int NG = (NR + 3) / 4;
     __m128 s[NG];
     for (int g = 0; g < NG; ++g) s[g] = _mm_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
         const BlockQ4K& blk = w[b];
         prefetch(&blk, sizeof(BlockQ4K));
@@ -293,12 +316,11 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
         // spread the scales with one permute per zmm
         const __m256i sm = _mm256_cvtepu8_epi16(q4k_scales(blk));
         const __m512i smz = _mm512_castsi256_si512(sm);
-        const __m512i s0 = _mm512_permutexvar_epi16(Q4.idx[0], smz), s1 = _mm512_permutexvar_epi16(Q4.idx[1], smz);
-        const __m512i s2 = _mm512_permutexvar_epi16(Q4.idx[2], smz), s3 = _mm512_permutexvar_epi16(Q4.idx[3], smz);
+        const __m512i sc[4] = {_mm512_permutexvar_epi16(Q4.idx[0], smz), _mm512_permutexvar_epi16(Q4.idx[1], smz),
+                               _mm512_permutexvar_epi16(Q4.idx[2], smz), _mm512_permutexvar_epi16(Q4.idx[3], smz)};
         const __m128i mins = _mm256_extracti128_si256(sm, 1);
-        const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
-        const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
-        const __m512i lo1 = _mm512_and_si512(q1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+        __m512i q[4];
+        q4k_values(blk, q);
         for (int g = 0; g < NG; ++g) {
             __m512i acc[4];
             __m128i mm[4];
@@ -313,10 +335,9 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
                 }
                 const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
                 const int8_t* xq = a.qs.data() + ab * 256;
-                acc[t] = _mm512_madd_epi16(_mm512_maddubs_epi16(lo0, _mm512_loadu_si512(xq)), s0);
-                acc[t] = _mm512_dpwssd_epi32(acc[t], _mm512_maddubs_epi16(hi0, _mm512_loadu_si512(xq + 64)), s1);
-                acc[t] = _mm512_dpwssd_epi32(acc[t], _mm512_maddubs_epi16(lo1, _mm512_loadu_si512(xq + 128)), s2);
-                acc[t] = _mm512_dpwssd_epi32(acc[t], _mm512_maddubs_epi16(hi1, _mm512_loadu_si512(xq + 192)), s3);
+                __m512i x[4];
+                load_x4(xq, x);
+                acc[t] = scaled_dot4(q, sc, x);
                 mm[t] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8)));
                 dx[t] = a.d[ab];
             }
@@ -386,10 +407,9 @@ void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t 
                 }
                 const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
                 const int8_t* xq = a.qs.data() + ab * 256;
-                __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], _mm512_loadu_si512(xq)), sg[0]);
-                v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[1], _mm512_loadu_si512(xq + 64)), sg[1]);
-                v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[2], _mm512_loadu_si512(xq + 128)), sg[2]);
-                v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[3], _mm512_loadu_si512(xq + 192)), sg[3]);
+                __m512i x[4];
+                load_x4(xq, x);
+                const __m512i v = scaled_dot4(q, sg, x);
                 // The stored values are q + 32: subtract 32 * sum_g scale_g * sum(x in group g).
                 const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
                 const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
@@ -789,12 +809,11 @@ static_assert(ROW_CHUNK == 16 && ACT_TILE % 16 == 0 && ACT_TILE <= 16 * AMX_GROU
 // operations in the same order as the kernels above, so the bits are the same.
 void dot_q4k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m128 s = _mm_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const int8_t* xq = a.qs.data() + ab * 256;
-        const __m512i x0 = _mm512_loadu_si512(xq), x1 = _mm512_loadu_si512(xq + 64);
-        const __m512i x2 = _mm512_loadu_si512(xq + 128), x3 = _mm512_loadu_si512(xq + 192);
+        __m512i x[4];
+        load_x4(xq, x);
         const __m128i bs = _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8));
         __m512i acc[4];
         __m128i mm[4];
@@ -806,11 +825,11 @@ void dot_q4k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
             dmin[t] = f16(blk.dmin);
             const __m256i sm = _mm256_cvtepu8_epi16(q4k_scales(blk));
             const __m512i smz = _mm512_castsi256_si512(sm);
-            const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
-            __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(q0, m4), x0), _mm512_permutexvar_epi16(Q4.idx[0], smz));
-            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q0, 4), m4), x1), _mm512_permutexvar_epi16(Q4.idx[1], smz));
-            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(_mm512_and_si512(q1, m4), x2), _mm512_permutexvar_epi16(Q4.idx[2], smz));
-            acc[t] = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q1, 4), m4), x3), _mm512_permutexvar_epi16(Q4.idx[3], smz));
+            const __m512i sc[4] = {_mm512_permutexvar_epi16(Q4.idx[0], smz), _mm512_permutexvar_epi16(Q4.idx[1], smz),
+                                   _mm512_permutexvar_epi16(Q4.idx[2], smz), _mm512_permutexvar_epi16(Q4.idx[3], smz)};
+            __m512i q[4];
+            q4k_values(blk, q);
+            acc[t] = scaled_dot4(q, sc, x);
             mm[t] = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bs);
         }
         s = epilogue_q4k(s, _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc), hsum4(mm));
@@ -823,8 +842,8 @@ void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const int8_t* xq = a.qs.data() + ab * 256;
-        const __m512i x[4] = {_mm512_loadu_si512(xq), _mm512_loadu_si512(xq + 64), _mm512_loadu_si512(xq + 128),
-                              _mm512_loadu_si512(xq + 192)};
+        __m512i x[4];
+        load_x4(xq, x);
         const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
         __m512i acc[4];
         float d[4];
@@ -836,10 +855,9 @@ void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
             q6k_values(blk, q);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
             const __m512i sc16z = _mm512_castsi256_si512(sc16);
-            __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], x[0]), _mm512_permutexvar_epi16(Q6.idx[0], sc16z));
-            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[1], x[1]), _mm512_permutexvar_epi16(Q6.idx[1], sc16z));
-            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[2], x[2]), _mm512_permutexvar_epi16(Q6.idx[2], sc16z));
-            v = _mm512_dpwssd_epi32(v, _mm512_maddubs_epi16(q[3], x[3]), _mm512_permutexvar_epi16(Q6.idx[3], sc16z));
+            const __m512i sg[4] = {_mm512_permutexvar_epi16(Q6.idx[0], sc16z), _mm512_permutexvar_epi16(Q6.idx[1], sc16z),
+                                   _mm512_permutexvar_epi16(Q6.idx[2], sc16z), _mm512_permutexvar_epi16(Q6.idx[3], sc16z)};
+            const __m512i v = scaled_dot4(q, sg, x);
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
             acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
         }
