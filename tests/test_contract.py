@@ -1,15 +1,3 @@
 """The plugin contract over every installed plugin (first-party, contrib and any other):
 what `pytest --pyargs speculant.testing.suite` runs, as part of the repository's tests."""
-from speculant.testing import BackendContract, PluginContract, SpeculatorContract
-
-
-class TestPlugins(PluginContract):
-    pass
-
-
-class TestSpeculators(SpeculatorContract):
-    pass
-
-
-class TestBackends(BackendContract):
-    pass
+from speculant.testing.suite import TestBackends, TestPlugins, TestSpeculators  # noqa: F401 (collected here)
