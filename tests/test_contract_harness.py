@@ -4,11 +4,11 @@ selects. Broken plugins are installed the honest way (dist-info with an entry po
 and the suite runs in an inner pytest session (pytester)."""
 from __future__ import annotations
 
-import importlib
 import sys
-import textwrap
 
 import pytest
+
+from fake_dists import write_dist
 
 pytest_plugins = ["pytester"]
 
@@ -197,12 +197,7 @@ def install(tmp_path, monkeypatch):
 
     def install(dist: str, source: str) -> None:
         module = f"fakecontract_{dist.replace('-', '_')}"
-        info = root / f"{module}-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text(f"[speculant]\n{dist} = {module}\n")
-        (root / f"{module}.py").write_text(textwrap.dedent(source))
-        importlib.invalidate_caches()
+        write_dist(root, dist, "1.0", {dist: module}, {f"{module}.py": source})
 
     yield install
     for name in set(sys.modules) - before:

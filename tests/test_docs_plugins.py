@@ -3,13 +3,14 @@ plugin, installed from the document's own code blocks, works in the engine and p
 contract suite."""
 from __future__ import annotations
 
-import importlib
 import re
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+
+from fake_dists import write_dist
 
 from speculant.engine import Engine, EngineConfig
 from speculant.hookdoc import replace_section
@@ -43,17 +44,10 @@ def installed(tmp_path, monkeypatch):
     project = tomllib.loads(files.pop("speculant-lookup/pyproject.toml"))
     meta = project["project"]
     site = tmp_path / "site"
-    for path, content in files.items():
-        dest = site / path.split("/", 1)[1]
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(content)
-    info = site / f"{meta['name'].replace('-', '_')}-{meta['version']}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n")
-    eps = "".join(f"{k} = {v}\n" for k, v in meta["entry-points"]["speculant"].items())
-    (info / "entry_points.txt").write_text(f"[speculant]\n{eps}")
+    site.mkdir()
+    write_dist(site, meta["name"], meta["version"], meta["entry-points"]["speculant"],
+               {path.split("/", 1)[1]: content for path, content in files.items()})
     monkeypatch.syspath_prepend(str(site))
-    importlib.invalidate_caches()
     yield files
     sys.modules.pop("speculant_lookup", None)
 

@@ -6,14 +6,14 @@ discovers them exactly as it would an installed package.
 """
 from __future__ import annotations
 
-import importlib
 import sys
-import textwrap
 import time
 import types
 
 import pluggy
 import pytest
+
+from fake_dists import write_dist
 import torch
 
 from speculant import Draft, DraftLimits, SequenceView, SpeculantError, hookimpl
@@ -57,14 +57,7 @@ class FakeDists:
         monkeypatch.setattr(sys, "path", sys.path + [str(self.root)])  # after the real site-packages
 
     def add(self, dist: str, entry_points: dict[str, str], modules: dict[str, str], version: str = "1.0"):
-        info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        eps = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
-        (info / "entry_points.txt").write_text(f"[speculant]\n{eps}")
-        for mod, source in modules.items():
-            (self.root / f"{mod}.py").write_text(textwrap.dedent(source))
-        importlib.invalidate_caches()
+        write_dist(self.root, dist, version, entry_points, {f"{mod}.py": source for mod, source in modules.items()})
 
 
 @pytest.fixture

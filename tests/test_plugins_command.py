@@ -4,12 +4,12 @@ Third-party plugins are installed the honest way: a dist-info directory with ent
 a module, on sys.path, found by importlib.metadata like any pip-installed package."""
 from __future__ import annotations
 
-import importlib
 import json
 import sys
-import textwrap
 
 import pytest
+
+from fake_dists import write_dist
 
 import speculant.plugins
 from speculant.cli import main
@@ -36,12 +36,7 @@ def install(tmp_path, monkeypatch):
 
     def install(dist: str, name: str, source: str, version: str = "2.0") -> None:
         module = f"fakecmd_{name}"
-        info = root / f"{module}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        (info / "entry_points.txt").write_text(f"[speculant]\n{name} = {module}\n")
-        (root / f"{module}.py").write_text(textwrap.dedent(source))
-        importlib.invalidate_caches()
+        write_dist(root, dist, version, {name: module}, {f"{module}.py": source})
 
     return install
 
