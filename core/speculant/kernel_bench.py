@@ -19,9 +19,14 @@ from speculant.types import Batch
 ROWS = (1, 2, 4, 8, 16)
 
 
+def row_tokens(model, rows: int) -> list[int]:
+    """Arbitrary but fixed tokens for the timed rows."""
+    return [(17 * i + 101) % model.info.n_vocab for i in range(rows)]
+
+
 def time_forward(model, context, position: int, rows: int, repeats: int) -> float:
     """Median seconds of a forward over `rows` new rows after `position` cached tokens."""
-    tokens = [(17 * i + 101) % model.info.n_vocab for i in range(rows)]
+    tokens = row_tokens(model, rows)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -33,7 +38,7 @@ def time_forward(model, context, position: int, rows: int, repeats: int) -> floa
 
 def profile_split(model, context, position: int, rows: int, top: int = 6) -> list[tuple[str, float]]:
     """Share of a forward's time by function (own time), the largest first."""
-    tokens = [(17 * i + 101) % model.info.n_vocab for i in range(rows)]
+    tokens = row_tokens(model, rows)
     prof = cProfile.Profile()
     for _ in range(3):
         prof.enable()
