@@ -262,7 +262,6 @@ class EngineWorker:
         }
 
     def _finish(self, job: Job, finish_reason: str, stop_type: str, word: str) -> None:
-        self._release(job)
         t_end = time.perf_counter()
         timings = self._timings(job, t_end)
         seq = job.seq
@@ -276,6 +275,9 @@ class EngineWorker:
             t.requests_cancelled += 1
         else:
             t.requests_finished += 1
+        # Free the slot only once the totals count the request: /slots showing it idle while
+        # /metrics does not yet count it would be a window where the two disagree.
+        self._release(job)
         types = self.spec_types if seq.spec is None or seq.spec.types is None else list(seq.spec.types)
         log.info("request", id=job.id, endpoint=job.endpoint, slot=job.slot, prompt_tokens=len(job.prompt),
                  completion_tokens=job.n_generated, finish_reason=finish_reason,
@@ -289,7 +291,7 @@ class EngineWorker:
             job.emit(("done", Done(finish_reason, stop_type, word, len(job.prompt), job.n_generated, timings, job.slot)))
 
     def _fail(self, job: Job, error: ApiError) -> None:
-        self._release(job)
         self.totals.requests_failed += 1
+        self._release(job)
         log.warning("request failed", id=job.id, slot=job.slot, status=error.status, error=error.message)
         job.emit(("error", error))
