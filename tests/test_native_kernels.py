@@ -171,3 +171,40 @@ def test_backend_uses_native_kernels_and_keeps_the_mapping():
     lin = CpuBackend().linear(info)
     assert isinstance(lin, NativeLinear) and lin.uses_mapping
     assert type(CpuBackend(use_native=False).linear(info)).__name__ == "Int4Linear"
+
+
+def attention(q, k, v, positions, window, grouped):
+    rows, n_head, dk = q.shape
+    out = torch.empty(rows, n_head, v.shape[-1])
+    assert lib.spk_attention_f16(q.data_ptr(), rows, n_head, k.shape[0], dk, v.shape[-1], k.data_ptr(), v.data_ptr(),
+                                 k.stride(0), v.stride(0), positions.data_ptr(), window, dk**-0.5, out.data_ptr(), grouped) == 0
+    return out
+
+
+@pytest.mark.parametrize("rows,n_head,n_kv,dk,window", [(1, 12, 2, 128, 0), (16, 12, 2, 128, 0), (5, 4, 1, 256, 40),
+                                                        (3, 14, 2, 64, 0), (7, 8, 8, 80, 9), (2, 6, 3, 72, 0), (40, 2, 1, 16, 0)])
+def test_grouped_attention_is_the_one_pair_kernel_bit_for_bit(rows, n_head, n_kv, dk, window):
+    """The fast kernel (pairs sharing a kv head walked together, 16 keys at a time, vector exp)
+    must give exactly the bits of the plain one (one (row, head) at a time, libm's expf), for
+    every row alone or in any batch: the engine's exactness and llama.cpp's numerics rest on it."""
+    gen = torch.Generator().manual_seed(rows * 100 + dk)
+    ctx = 150
+    q = torch.randn(rows, n_head, dk, generator=gen) * 3  # sharp softmaxes: many new maxima
+    k = torch.randn(n_kv, ctx + rows, dk, generator=gen).half()
+    v = torch.randn(n_kv, ctx + rows, dk, generator=gen).half()
+    positions = torch.tensor(sorted(torch.randint(0, ctx + rows, (rows,), generator=gen).tolist()), dtype=torch.int64)
+    reference = attention(q, k, v, positions, window, grouped=0)
+    fast = attention(q, k, v, positions, window, grouped=1)
+    assert torch.isfinite(fast).all()
+    assert torch.equal(fast, reference)
+    for r in (0, rows - 1):
+        alone = attention(q[r : r + 1].contiguous(), k, v, positions[r : r + 1].contiguous(), window, grouped=1)
+        assert torch.equal(alone[0], fast[r])
+
+
+def test_vector_exp_has_the_bits_of_libm_expf():
+    """The attention's vector exp reproduces glibc's expf; checked here on a sample of all
+    negative floats down to -inf (every float in [-104, 0] was checked when it was written)."""
+    assert lib.spk_exp_check(0x80000000, 0xC2D00000, 101) == 0  # [-104, -0], every 101st float
+    assert lib.spk_exp_check(0xC2D00000, 0xFF800000, 100003) == 0  # below -104, to -inf: 0
+    assert lib.spk_exp_check(0x00000000, 0x42B17217, 1009) == 0  # [0, 88.72]

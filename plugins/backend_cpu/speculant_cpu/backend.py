@@ -176,7 +176,7 @@ class CpuBackend:
             pos = positions.to(torch.int64).contiguous()
             if self.native.spk_attention_f16(q.data_ptr(), n_rows, n_head, n_kv, head_dim, v.shape[-1], k.data_ptr(),
                                              v.data_ptr(), k.stride(0), v.stride(0), pos.data_ptr(), window, scale,
-                                             out.data_ptr()) == 0:
+                                             out.data_ptr(), 1) == 0:
                 return out
         if k.dtype != q.dtype:  # a long prompt chunk over the fp16 cache: one batched call in float32
             k, v = k.to(q.dtype), v.to(q.dtype)

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "attention.cpp")]
-ABI_VERSION = 1
+ABI_VERSION = 2
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
 
 _lib: ctypes.CDLL | None = None
@@ -77,8 +77,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.spk_linear.restype = ctypes.c_int
     lib.spk_prefault.argtypes = [ptr, i64]
     c_int, c_float = ctypes.c_int, ctypes.c_float
-    lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr]
+    lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr, c_int]
     lib.spk_attention_f16.restype = c_int
+    lib.spk_exp_check.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
+    lib.spk_exp_check.restype = i64
     return lib
 
 
