@@ -358,6 +358,24 @@ def test_controller_counts_draft_cost_of_calls_without_tokens():
     assert declined.count(2) == 4 and set(declined) == {0, 2}
 
 
+
+def test_controller_lengthens_drafts_that_are_always_accepted():
+    """A speculator held to one-token drafts that are always accepted must be let to draft more:
+    an untried position is estimated like the one before it, not like the pessimistic prior
+    (which kept a 97%-accepted draft model at one token per step)."""
+    c = DraftLengthController()
+    c.observe_forward(1, 0.060)
+    c.observe_forward(2, 0.070)
+    c.observe_forward(4, 0.080)
+    c.observe_cost("d", 0.030, 1)  # a draft model: half a target forward per token
+    for _ in range(40):
+        c.observe_draft("d", 1, 1)
+    assert c.acceptance["d"].alpha(3) > 0.9
+    assert c.plan("d", 8) >= 3
+    for _ in range(60):  # now it is tried at length and fails after its first token: back to short
+        c.observe_draft("d", 4, 1)
+    assert c.plan("d", 8) <= 1
+
 class SlowDrafter:
     """A costly speculator (`seconds` per call) whose drafts are the true continuation (or None)."""
 

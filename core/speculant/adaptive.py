@@ -78,10 +78,21 @@ class Acceptance:
             if i < n_accepted:
                 self.accepted[i] += 1
 
+    def alphas(self, n: int) -> list[float]:
+        """Estimates for positions 0..n-1, each shrunk toward the one before it: a position
+        seldom tried (because drafts have been short) is taken to behave like the one before it.
+        Shrinking toward a fixed prior instead would keep drafts short for ever: a position
+        never tried keeps the prior's pessimism and so is never tried."""
+        out, prior = [], PRIOR_ACCEPT
+        for i in range(n):
+            t = self.tried[i] if i < len(self.tried) else 0.0
+            a = self.accepted[i] if i < len(self.accepted) else 0.0
+            prior = (a + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
     def alpha(self, i: int) -> float:
-        t = self.tried[i] if i < len(self.tried) else 0.0
-        a = self.accepted[i] if i < len(self.accepted) else 0.0
-        return (a + PRIOR_ACCEPT * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+        return self.alphas(i + 1)[i]
 
 
 @attrs.define
@@ -145,8 +156,9 @@ class DraftLengthController:
         acc = self.acceptance.get(spec_type, Acceptance())
         best_k, best_rate = 0, 1.0 / t1
         expected, p = 1.0, 1.0
+        alphas = acc.alphas(n)
         for k in range(1, n + 1):
-            p *= acc.alpha(k - 1)
+            p *= alphas[k - 1]
             expected += p
             t = self.forward.cost(1 + k)
             rate = expected / ((t1 if t is None else t) + cost_per_token * k)
