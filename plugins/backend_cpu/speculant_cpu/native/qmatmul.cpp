@@ -471,6 +471,31 @@ void dot_b32(const Block* w, int nb, const Act& a, int i0, float* y, int64_t ldy
     }
 }
 
+// Decode (one activation row): four weight rows at a time. dot_b32<Block, 1> is bound by the
+// latency of its one fp32 accumulator chain (an FMA per block of 32 values); four rows give four
+// independent chains. Each row's operations are dot_b32's, so the bits are the same.
+template <class Block>
+void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
+    const Block* w[4];
+    __m256 fs[4];
+    for (int t = 0; t < 4; ++t) {
+        w[t] = (const Block*)(row + t * row_bytes);
+        fs[t] = _mm256_setzero_ps();
+    }
+    for (int b = 0; b < nb; ++b) {
+        const int64_t ab = (int64_t)i * a.nb + b;
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(a.qs.data() + ab * 32));
+        const float dx = a.d[ab];
+        for (int t = 0; t < 4; ++t) {
+            if (b % 2 == 0) prefetch(&w[t][b], 64);
+            const __m256i q = decode32(w[t][b]);
+            const __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+            fs[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(f16(w[t][b].d) * dx), fs[t]);
+        }
+    }
+    for (int t = 0; t < 4; ++t) y[t] = hsum128(_mm_add_ps(_mm256_castps256_ps128(fs[t]), _mm256_extractf128_ps(fs[t], 1)));
+}
+
 // ---------------------------------------------------------------------------------------------
 // AMX-INT8 kernel for Q4_K and Q6_K: 16 weight rows (tile A, u8) against 16 activation rows (tile
 // B, s8, in the VNNI layout B[v/4][row][v%4]), full K = 64 per TDPBUSD. The sub-block scales go
@@ -1019,11 +1044,18 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
             return;
         }
 #endif
-        if (a1 - a0 == 1 && (qtype == T_Q4_K || qtype == T_Q6_K)) {  // decode: four weight rows at a time
+        if (a1 - a0 == 1) {  // decode: four weight rows at a time
             int64_t r = r0;
             for (; r + 4 <= r1; r += 4) {
-                if (qtype == T_Q4_K) dot_q4k_w4(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + a0 * n + r);
-                else dot_q6k_w4(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + a0 * n + r);
+                const uint8_t* w4 = W + r * row_bytes;
+                float* y4 = y + a0 * n + r;
+                switch (qtype) {
+                    case T_Q4_K: dot_q4k_w4(w4, row_bytes, nb, a, (int)a0, y4); break;
+                    case T_Q6_K: dot_q6k_w4(w4, row_bytes, nb, a, (int)a0, y4); break;
+                    case T_Q8_0: dot_b32_w4<BlockQ8_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
+                    case T_Q5_0: dot_b32_w4<BlockQ5_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
+                    case T_Q4_0: dot_b32_w4<BlockQ4_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
+                }
             }
             for (; r < r1; ++r) dot_tile(1, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
             return;
