@@ -9,11 +9,11 @@ PY=.venv/bin/python
 LS=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary (see docs/benchmarks.md for the build)}
 LB=$(dirname "$LS")/llama-bench
 echo "== llama-bench"; $LB -m $T -p 0 -n 128 -t 2 -r 3 2>&1 | grep -E "tg|model"
-for cfg in "plain:" "ngram-simple:--spec-type ngram-simple" "draft-simple:-md $D --spec-type draft-simple"; do
+for cfg in "plain:" "ngram-simple:--spec-type ngram-simple" "ngram-map-k:--spec-type ngram-map-k" "draft-simple:-md $D --spec-type draft-simple"; do
   name=${cfg%%:*}; flags=${cfg#*:}
   echo "== llama.cpp $name"; $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-$name -- $LS -m $T --port 8091 -t 2 -c 4096 -np 1 $flags
 done
-for cfg in "plain:" "ngram-simple:--spec-type ngram-simple" "ngram-map-k:--spec-type ngram-map-k" "suffix:--spec-type suffix" "draft-simple:-md $D --spec-type draft-simple" "ngram-simple,draft-simple:-md $D --spec-type ngram-simple,draft-simple"; do
+for cfg in "plain:" "ngram-simple:--spec-type ngram-simple" "ngram-map-k:--spec-type ngram-map-k" "suffix:--spec-type suffix" "draft-simple:-md $D --spec-type draft-simple" "ngram-simple,draft-simple:-md $D --spec-type ngram-simple,draft-simple" "ngram-map-k,draft-simple:-md $D --spec-type ngram-map-k,draft-simple"; do
   name=${cfg%%:*}; flags=${cfg#*:}
   echo "== speculant $name"; $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8090 --label ours-$name -- .venv/bin/speculant serve -m $T --port 8090 -c 4096 -np 1 $flags
 done
