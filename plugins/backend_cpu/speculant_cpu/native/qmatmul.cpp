@@ -71,6 +71,8 @@ struct Act {
     std::vector<float> d;       // [m, nb]
     std::vector<int16_t> bs16;  // Q8_K: sums of each 16 values [m, nb, 16]
     std::vector<int16_t> bs32;  // Q8_K: sums of each 32 values [m, nb, 8]
+    std::vector<int8_t> xp;     // Q8_0, m >= 2: rows in pairs [m/2, nb, 2, 32] (for dot_b32's zmm)
+    std::vector<float> dp;      // Q8_0, m >= 2: their scales, each broadcast to 8 lanes [m/2, nb, 2, 8]
     // AMX layout (Q8_K only): groups of 16 rows, the last one padded with zero rows.
     std::vector<int8_t> bt;     // [group, nb, 64, 16, 4]: a tile B per block (value v of row i at [v/4][i][v%4])
     std::vector<float> dt;      // [group, nb, 16]: scales, lane = row in the group
@@ -449,26 +451,48 @@ inline __m256i decode32(const BlockQ4_0& blk) {
     return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
 }
 
+// NR activation rows against one weight row. Rows go in pairs, one zmm per pair (lanes 0-7 the
+// first row's, 8-15 the second's), from the pair-interleaved copies Act::xp / Act::dp; an odd
+// last row takes a ymm. Per row and lane these are the operations of the one-row form (the
+// integer dot of 4 bytes, its conversion, the scale d * dx, one FMA into the lane), so the bits do
+// not depend on the pairing. (AVX-512 has no vpsignb: x is negated under the mask of q < 0, which
+// differs from vpsignb only where q == 0, and there |q| = 0 makes the product 0 either way.)
 template <class Block, int NR>
 void dot_b32(const Block* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    __m256 fs[NR];
-    for (int i = 0; i < NR; ++i) fs[i] = _mm256_setzero_ps();
+    constexpr int NP = NR / 2;
+    __m512 fp[NP > 0 ? NP : 1];
+    __m256 fs = _mm256_setzero_ps();
+    for (int p = 0; p < NP; ++p) fp[p] = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         if (b % 2 == 0) prefetch(&w[b], 64);
         const __m256i q = decode32(w[b]);
         const __m256i aq = _mm256_abs_epi8(q);
         const float d = f16(w[b].d);
-        for (int i = 0; i < NR; ++i) {
-            const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+        if constexpr (NP > 0) {
+            const __m512i aq2 = _mm512_inserti64x4(_mm512_castsi256_si512(aq), aq, 1);
+            const __mmask64 neg = _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1));
+            const __m512 d2 = _mm512_set1_ps(d);
+            for (int p = 0; p < NP; ++p) {
+                const int64_t pb = (int64_t)((i0 >> 1) + p) * a.nb + b;
+                const __m512i x = _mm512_loadu_si512(a.xp.data() + pb * 64);
+                const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+                const __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aq2, xs);
+                fp[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d2, _mm512_loadu_ps(a.dp.data() + pb * 16)), fp[p]);
+            }
+        }
+        if constexpr (NR % 2 == 1) {
+            const int64_t ab = (int64_t)(i0 + NR - 1) * a.nb + b;
             const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(a.qs.data() + ab * 32)), q);
             const __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, xs);
-            fs[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d * a.d[ab]), fs[i]);
+            fs = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(d * a.d[ab]), fs);
         }
     }
-    for (int i = 0; i < NR; ++i) {
-        const __m128 v = _mm_add_ps(_mm256_castps256_ps128(fs[i]), _mm256_extractf128_ps(fs[i], 1));
-        y[i * ldy] = hsum128(v);
+    auto out = [](__m256 v) { return hsum128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); };
+    for (int p = 0; p < NP; ++p) {
+        y[(2 * p) * ldy] = out(_mm512_castps512_ps256(fp[p]));
+        y[(2 * p + 1) * ldy] = out(_mm512_extractf32x8_ps(fp[p], 1));
     }
+    if constexpr (NR % 2 == 1) y[(NR - 1) * ldy] = out(fs);
 }
 
 // Decode (one activation row): four weight rows at a time. dot_b32<Block, 1> is bound by the
@@ -1025,6 +1049,18 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
         p.run([&](int, int) {
             for (int64_t i; (i = next.fetch_add(1)) < m_pad;) quantize(i);
         });
+    }
+
+    if (bv == 32 && m >= 2) {  // the row pairs of dot_b32
+        a.xp.resize((size_t)(m / 2) * nb * 64);
+        a.dp.resize((size_t)(m / 2) * nb * 16);
+        for (int64_t i = 0; i + 1 < m; i += 2)
+            for (int b = 0; b < nb; ++b)
+                for (int h = 0; h < 2; ++h) {
+                    const int64_t ab = (i + h) * nb + b, pb = (i / 2) * nb + b;
+                    std::memcpy(a.xp.data() + pb * 64 + 32 * h, a.qs.data() + ab * 32, 32);
+                    std::fill(a.dp.data() + pb * 16 + 8 * h, a.dp.data() + pb * 16 + 8 * h + 8, a.d[ab]);
+                }
     }
 
     const uint8_t* W = (const uint8_t*)weights;
