@@ -26,7 +26,7 @@ from __future__ import annotations
 import attrs
 
 DECAY = 0.98  # per observation: acceptance estimates follow the last ~50 drafts
-PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0
+PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first position's prior; each later one shrinks toward the one before
 PROBE_EVERY = 16  # after this many declined drafts in a row, let one through to refresh the estimate
 PROBE_LENGTH = 2
 FIRST_DRAFT = 4  # most tokens a spec type drafts before its cost is known (a draft model pays per token)

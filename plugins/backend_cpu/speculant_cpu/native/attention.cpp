@@ -189,7 +189,7 @@ void attend_chunk(int64_t item, void* ctx) {
     const int64_t t0 = (item % c.chunks) * c.chunk_pairs, t1 = std::min(per_kv, t0 + c.chunk_pairs);
     if (t0 >= t1) return;
     const int n = (int)(t1 - t0);
-    const int nk = c.dk / 16, nv = c.dv / 16, np = c.dk & ~63;
+    const int nv = c.dv / 16, np = c.dk & ~63;
     thread_local std::vector<float> qbuf, kbuf, vbuf;
     thread_local std::vector<uint16_t> accbuf;
     thread_local std::vector<PairState> pairs;
