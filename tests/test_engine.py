@@ -125,7 +125,6 @@ def test_chain_order_and_fallthrough():
     empty, a, b = Fixed("empty", []), Fixed("a", [1]), Fixed("b", [2])
     engine = Engine(ToyModel(), EngineConfig(n_ctx=64, adaptive=False), [empty, a, b])
     seq = engine.add(PROMPT, 5)
-    engine._prefill(seq)
     draft = engine._propose(seq)
     assert draft.spec_type == "a" and empty.asked == 1 and b.asked == 0
 
@@ -170,3 +169,30 @@ def test_draft_outside_the_vocabulary_turns_speculation_off_for_that_sequence():
         out += engine.step()[seq.seq_id]
     assert out == truth
     assert "outside the vocabulary" in seq.spec_error
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode(monkeypatch):
+    """A new long prompt goes in one chunk per step; the sequences already decoding get a token
+    in each of those steps instead of waiting for the whole prompt, and every output is still
+    what the sequence gives alone."""
+    import speculant.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 4)
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=5)
+    long_prompt = [(7 * i + 3) % 50 + 1 for i in range(30)]
+    alone = [plain(ToyModel(), n=20, params=params, prompt=p) for p in (PROMPT, long_prompt)]
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=128))
+    a = engine.add(PROMPT, 20, params)
+    engine.step()  # a's prompt (4 rows) goes in
+    assert engine.step()[a.seq_id]  # a decodes
+    b = engine.add(long_prompt, 20, params)
+    chunks = 0
+    while not b.prefilled or len(b.tokens) == len(long_prompt):
+        new = engine.step()
+        if len(b.tokens) == len(long_prompt) and not new[b.seq_id]:
+            chunks += 1
+            assert new[a.seq_id] or a.finish_reason, "a waited for b's prompt"
+    assert chunks >= (len(long_prompt) - 1) // 4  # 29 rows in chunks of 4: one step each
+    while engine.active():
+        engine.step()
+    assert [a.tokens[a.n_prompt :], b.tokens[b.n_prompt :]] == alone

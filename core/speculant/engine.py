@@ -22,6 +22,9 @@ from speculant.sampling import Sampler, SamplingParams
 from speculant.types import Batch, Draft, DraftLimits, DraftRequest, SequenceView
 from speculant.verify import verify
 
+# Prompt rows per forward. A prompt is fed in chunks of exactly this size (and its rest), one
+# chunk per step, so that the other sequences keep decoding while a long prompt is prefilled;
+# the chunks depend only on the prompt, so its numbers do not depend on what else is running.
 PREFILL_CHUNK = 512
 
 
@@ -121,6 +124,12 @@ class Sequence:
     saved: Any = None  # recurrent-state checkpoint taken before verifying a draft
     spec: SpecOverride | None = None
     spec_error: str | None = None  # a speculator raised for this sequence: it goes on without speculation
+    prefilled: bool = False  # the prompt (all but its last token, which rides with the first step) is in
+
+    def prefill_rows(self) -> list[int]:
+        """The prompt's next chunk to feed (empty once the prompt is in)."""
+        end = len(self.tokens) - 1
+        return self.tokens[self.n_cached : min(end, self.n_cached + PREFILL_CHUNK)]
 
     @property
     def n_generated(self) -> int:
@@ -184,11 +193,18 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
-        """Advance every active sequence by at least one token; returns the new tokens per id."""
-        seqs = self.active()
-        for seq in seqs:
-            if seq.n_cached == 0:  # a new prompt; replayed rows of a recurrent state ride with the step
-                self._prefill(seq)
+        """Advance every active sequence: one that is decoding by at least one token, one whose
+        prompt is still going in by one chunk of it (no tokens yet). Returns the new tokens by id."""
+        active = self.active()
+        prefill_parts = []
+        for seq in active:
+            if not seq.prefilled:  # a new prompt; replayed rows of a recurrent state ride with the step
+                rows = seq.prefill_rows()
+                if rows:
+                    prefill_parts.append((seq, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none")))
+                else:
+                    seq.prefilled = True
+        seqs = [seq for seq in active if seq.prefilled]
         drafts = self._propose_all(seqs)
 
         parts = []
@@ -204,13 +220,18 @@ class Engine:
                 seq.saved = self.context.save(seq.seq_id)
                 self._spec_call(seq, self.chain.checkpoint, seq.view(), "save")
             parts.append(b)
-        batch = Batch.concat(parts)
+        # The prompt chunks go last, so the decoding rows keep their offsets in the output.
+        batch = Batch.concat(parts + [b for _, b in prefill_parts])
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.context, self.chain.hidden_layers)
         dt = time.perf_counter() - t0
-        self.controller.observe_forward(len(batch), dt)
+        if not prefill_parts:  # the cost model is of verification rows alone
+            self.controller.observe_forward(len(batch), dt)
+        for seq, b in prefill_parts:
+            seq.n_cached += len(b)
+            seq.stats.prompt_seconds += dt
 
-        new: dict[int, list[int]] = {}
+        new: dict[int, list[int]] = {seq.seq_id: [] for seq, _ in prefill_parts}
         row = 0
         hidden_row = 0
         for seq, b in zip(seqs, parts):
@@ -229,17 +250,6 @@ class Engine:
                 st.verify_seconds += dt / len(seqs)
                 self.controller.observe_draft(draft.spec_type, len(draft), n_acc)
         return new
-
-    def _prefill(self, seq: Sequence) -> None:
-        """Feed all but the last uncached token (the step feeds that one with the draft)."""
-        t0 = time.perf_counter()
-        end = len(seq.tokens) - 1
-        while seq.n_cached < end:
-            n = min(PREFILL_CHUNK, end - seq.n_cached)
-            b = Batch.for_sequence(seq.seq_id, seq.n_cached, seq.tokens[seq.n_cached : seq.n_cached + n], logits="none")
-            self.model.forward(b, self.context)
-            seq.n_cached += n
-        seq.stats.prompt_seconds += time.perf_counter() - t0
 
     def _stats(self, spec_type: str) -> SpecTypeStats:
         return self.spec_stats.setdefault(spec_type, SpecTypeStats())
