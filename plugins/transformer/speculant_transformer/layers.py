@@ -7,7 +7,12 @@ from speculant import Batch, ForwardOutput, KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """As llama.cpp computes it: the float squares summed in double, the mean rounded to float,
+    then x * (1 / sqrt(mean + eps)) and the weight in float. A float32 sum drifts from it where the
+    activations are large (gemma's): teacher-forced on llama.cpp's outputs, gemma-3-270m's mean
+    log-probability margin error fell from 0.83 to 0.28 with the double sum (qwen: ~0.07 either way)."""
+    mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
+    return x * (1.0 / torch.sqrt(mean + eps)) * weight
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
