@@ -7,8 +7,9 @@
 // Q8_0 and Q5_0. Dot products are exact integer sums per block, scaled and accumulated in fp32.
 //
 // Batch invariance: a row's result does not depend on how many rows are computed with it (the
-// engine's exactness needs it). For Q8_0/Q5_0/Q4_0 every output y[i, r] is computed by the same
-// instruction sequence whatever m is. Q4_K and Q6_K have two paths, AVX-512 VNNI for few rows and
+// engine's exactness needs it). For Q8_0/Q5_0/Q4_0 every output y[i, r] goes through the same
+// per-lane operations whatever m is (one row in a ymm, or a pair of rows in the halves of a zmm,
+// then the same reduction). Q4_K and Q6_K have two paths, AVX-512 VNNI for few rows and
 // AMX tiles for more (spk_linear picks by m), and they agree bit for bit because both compute,
 // per (weight row, activation row, 256-block), the same EXACT integers
 //   Q4_K: isum = sum_j sc_j * (sum_{i in sub-block j} q_i x_i),  msum = sum_j min_j * bsum32_j
