@@ -358,7 +358,6 @@ def test_controller_counts_draft_cost_of_calls_without_tokens():
     assert declined.count(2) == 4 and set(declined) == {0, 2}
 
 
-
 def test_controller_lengthens_drafts_that_are_always_accepted():
     """A speculator held to one-token drafts that are always accepted must be let to draft more:
     an untried position is estimated like the one before it, not like the pessimistic prior
@@ -375,6 +374,7 @@ def test_controller_lengthens_drafts_that_are_always_accepted():
     for _ in range(60):  # now it is tried at length and fails after its first token: back to short
         c.observe_draft("d", 4, 1)
     assert c.plan("d", 8) <= 1
+
 
 class SlowDrafter:
     """A costly speculator (`seconds` per call) whose drafts are the true continuation (or None)."""

@@ -18,8 +18,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-
-
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=_float("a number >= 0", lambda v: v >= 0), default=0.0,
                    help="temperature; 0 = greedy (default 0)")
