@@ -77,31 +77,167 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
 
 @pytest.fixture
 def amx_min_rows():
-    """Set the row count from which Q4_K/Q6_K calls take the AMX path; restored afterwards."""
+    """Set the row count from which Q4_K calls take the AMX path; restored afterwards."""
     old = lib.spk_set_amx_min_rows(0)
     lib.spk_set_amx_min_rows(old)
     yield lib.spk_set_amx_min_rows
     lib.spk_set_amx_min_rows(old)
 
 
-# Shapes of the 1.5B model's layers (k = 1536 and 8960) with n not a multiple of the 16-row chunks.
-@pytest.mark.parametrize("qtype,n,k", [(Q.Q4_K, 37, 1536), (Q.Q6_K, 45, 1536), (Q.Q4_K, 21, 8960), (Q.Q6_K, 19, 8960)])
-def test_k_quant_rows_are_bit_identical_across_row_counts_and_paths(qtype, n, k, amx_min_rows):
+# --- llama.cpp's arithmetic for the K-quants, emulated in numpy ---------------------------------
+# The kernels must give llama.cpp's x86 results bit for bit (checked against its own tensors when
+# they were written). Integer parts are exact; the float steps are emulated one IEEE operation at a
+# time: fma(a, b, c) is a*b + c in long double (the product is exact), rounded once to float32.
+
+F32 = np.float32
+
+
+def fma(a, b, c):
+    return (np.longdouble(a) * np.longdouble(b) + np.longdouble(c)).astype(F32)
+
+
+def q8k(x: np.ndarray):
+    """quantize_row_q8_K per 256-block of each row: int values, float scale, sums of each 16."""
+    rows, k = x.shape
+    xb = x.reshape(rows, k // 256, 256).astype(F32)
+    idx = np.abs(xb).argmax(-1)
+    top = np.take_along_axis(xb, idx[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(top == 0, F32(0), F32(-127.0) / top).astype(F32)
+    q = np.minimum(127, np.rint((iscale[..., None] * xb).astype(F32))).astype(np.int64)
+    with np.errstate(divide="ignore"):
+        d = np.where(iscale == 0, F32(0), F32(1.0) / iscale).astype(F32)
+    return q, d, q.reshape(rows, k // 256, 16, 16).sum(-1)
+
+
+def q4k_parts(raw: np.ndarray, n: int, k: int):
+    """A Q4_K matrix as d, dmin [n, nb], sub-block scales and mins [n, nb, 8], values [n, nb, 256]."""
+    blocks = raw.reshape(n, k // 256, 144)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(F32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(F32)
+    s = blocks[..., 4:16].astype(np.int64)
+    sc = np.empty(s.shape[:-1] + (8,), np.int64)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    qs = blocks[..., 16:].astype(np.int64).reshape(n, k // 256, 4, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k // 256, 256)
+    return d, dmin, sc, mn, q
+
+
+def q6k_parts(raw: np.ndarray, n: int, k: int):
+    """A Q6_K matrix as d [n, nb], scales [n, nb, 16], values (q - 32) [n, nb, 256]."""
+    blocks = raw.reshape(n, k // 256, 210)
+    ql = blocks[..., :128].astype(np.int64).reshape(n, k // 256, 2, 64)
+    qh = blocks[..., 128:192].astype(np.int64).reshape(n, k // 256, 2, 32)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.int64)
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(F32)
+    parts = [(ql[..., :32] & 15) | ((qh & 3) << 4), (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4),
+             (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
+    q = np.concatenate(parts, axis=-1).reshape(n, k // 256, 256) - 32
+    return d, sc, q
+
+
+def llamacpp_q4k(raw, n, k, x, gemm: bool) -> np.ndarray:
+    """llama.cpp's repacked Q4_K: gemv (one FMA step per block) or gemm (one per sub-block pair)."""
+    d, dmin, sc, mn, q = q4k_parts(raw, n, k)
+    xq, xd, bs16 = q8k(x)
+    sub = np.einsum("nbjv,mbjv->nmbj", q.reshape(n, -1, 8, 32), xq.reshape(len(x), -1, 8, 32))  # [n, m, nb, 8]
+    isum = sub * sc[:, None]
+    msum = mn[:, None] * bs16.reshape(len(x), -1, 8, 2).sum(-1)[None]
+    acc = np.zeros((n, len(x)), F32)
+    macc = np.zeros((n, len(x)), F32)
+    for b in range(k // 256):
+        dd = (d[:, b, None] * xd[None, :, b]).astype(F32)
+        dm = (dmin[:, b, None] * xd[None, :, b]).astype(F32)
+        steps = [slice(2 * p, 2 * p + 2) for p in range(4)] if gemm else [slice(0, 8)]
+        for j in steps:
+            acc = fma(isum[:, :, b, j].sum(-1).astype(F32), dd, acc)
+            macc = fma(msum[:, :, b, j].sum(-1).astype(F32), dm, macc)
+    return (acc - macc).astype(F32).T
+
+
+def llamacpp_q6k(raw, n, k, x, tiled: bool) -> np.ndarray:
+    """llama.cpp's Q6_K: ggml_vec_dot_q6_K_q8_K (eight lane sums, each its own FMA chain, then
+    hsum_float_8), or its tiled matmul for prompt batches (one sum per block)."""
+    d, sc, q = q6k_parts(raw, n, k)
+    xq, xd, bs16 = q8k(x)
+    # 4-value groups of the stored values (q + 32, 0..63); lane l sums the groups g with g % 8 == l
+    # and takes off 32 * (sc_2l * bsum16_2l + sc_2l+1 * bsum16_2l+1): the same total per block, split
+    # over the lanes as ggml splits it
+    g4 = np.einsum("nbgv,mbgv->nmbg", (q + 32).reshape(n, -1, 64, 4), xq.reshape(len(x), -1, 64, 4))
+    g4 = g4 * np.repeat(sc, 4, axis=-1)[:, None]
+    corr = 32 * (sc[:, None] * bs16[None]).reshape(n, len(x), -1, 8, 2).sum(-1)
+    lanes = g4.reshape(n, len(x), -1, 8, 8).sum(-2) - corr
+    acc = np.zeros((n, len(x), 8), F32) if not tiled else np.zeros((n, len(x)), F32)
+    for b in range(k // 256):
+        dd = (xd[None, :, b] * d[:, b, None]).astype(F32)
+        if tiled:
+            t = (lanes[:, :, b].sum(-1).astype(F32) * d[:, b, None]).astype(F32)
+            acc = fma(t, xd[None, :, b], acc)
+        else:
+            acc = fma(dd[..., None], lanes[:, :, b].astype(F32), acc)
+    if tiled:
+        return acc.T
+    a = acc
+    return (((a[..., 0] + a[..., 4]) + (a[..., 2] + a[..., 6])) + ((a[..., 1] + a[..., 5]) + (a[..., 3] + a[..., 7]))).astype(F32).T
+
+
+def run_prompt(raw, qtype, n, k, x, kinds) -> torch.Tensor:
+    x = np.ascontiguousarray(x, np.float32)
+    y = torch.empty(x.shape[0], n)
+    kinds = np.ascontiguousarray(kinds, np.uint8)
+    assert lib.spk_linear_prompt(int(qtype), raw.ctypes.data, n, k, x.ctypes.data, x.shape[0], y.data_ptr(), kinds.ctypes.data) == 0
+    return y
+
+
+def k_quant_case(qtype, n, k):
     rng = np.random.default_rng(k + n)
     raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     x = (rng.standard_normal((70, k)) * 3).astype(np.float32)
     x[5] = 0.0
     x[9, ::7] = 40.0  # a block whose largest magnitude is positive (it maps to -127)
+    return raw, x
+
+
+# Shapes of the 1.5B model's layers (k = 1536 and 8960) with n not a multiple of the 16-row chunks.
+K_SHAPES = [(Q.Q4_K, 37, 1536), (Q.Q6_K, 45, 1536), (Q.Q4_K, 21, 8960), (Q.Q6_K, 19, 8960)]
+
+
+@pytest.mark.parametrize("qtype,n,k", K_SHAPES)
+def test_k_quant_rows_are_llamacpp_arithmetic_whatever_the_row_count_and_path(qtype, n, k, amx_min_rows):
+    raw, x = k_quant_case(qtype, n, k)
+    expected = torch.from_numpy((llamacpp_q4k if qtype == Q.Q4_K else llamacpp_q6k)(raw, n, k, x, False))
     amx_min_rows(0)  # the VNNI kernels only
     alone = torch.cat([run(raw, qtype, n, k, x[i : i + 1]) for i in range(len(x))])
-    weights = dequantize(raw, qtype, (n, k)).double().numpy()
-    expected = np.stack([q8k_reference(r) for r in x]) @ weights.T
-    assert np.abs(alone.numpy() - expected).max() <= 4e-6 * np.abs(expected).max()
+    assert torch.equal(alone, expected)
     for threshold in (0, 1, 4):  # never AMX, always AMX (even 1 row), the default kind of split
         amx_min_rows(threshold)
         for m in (1, 2, 3, 4, 8, 9, 16, 17, 33, 70):
             assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows, AMX from {threshold} rows"
         assert torch.equal(run(raw, qtype, n, k, x[40:57]), alone[40:57])  # rows at other offsets of a tile
+
+
+@pytest.mark.parametrize("qtype,n,k", K_SHAPES)
+def test_prompt_rows_take_llamacpp_prompt_arithmetic(qtype, n, k):
+    """spk_linear_prompt: flagged rows as llama.cpp computes a prompt (Q4_K: its gemm; Q6_K: its
+    tiled matmul), the others as decode rows, in any mix."""
+    raw, x = k_quant_case(qtype, n, k)
+    emulate = llamacpp_q4k if qtype == Q.Q4_K else llamacpp_q6k
+    prompt = torch.from_numpy(emulate(raw, n, k, x, True))
+    decode = run(raw, qtype, n, k, x)
+    bit = 1 if qtype == Q.Q4_K else 2
+    kinds = np.zeros(len(x), np.uint8)
+    kinds[3:30] = bit
+    kinds[41:66] = 3
+    got = run_prompt(raw, qtype, n, k, x, kinds)
+    flagged = torch.from_numpy(kinds & bit != 0)
+    assert torch.equal(got[flagged], prompt[flagged])
+    assert torch.equal(got[~flagged], decode[~flagged])
+    assert not torch.equal(prompt, decode)  # the two arithmetics do differ on these inputs
+    other = run_prompt(raw, qtype, n, k, x, np.full(len(x), 3 - bit, np.uint8))  # the other type's flag: no effect
+    assert torch.equal(other, decode)
 
 
 def test_amx_path_is_taken_where_available(amx_min_rows):

@@ -201,7 +201,7 @@ class Engine:
             if not seq.prefilled:  # a new prompt; replayed rows of a recurrent state ride with the step
                 rows = seq.prefill_rows()
                 if rows:
-                    prefill_parts.append((seq, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none")))
+                    prefill_parts.append((seq, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none", prompt_len=seq.n_prompt)))
                 else:
                     seq.prefilled = True
         seqs = [seq for seq in active if seq.prefilled]
@@ -213,7 +213,7 @@ class Engine:
             pending = seq.tokens[seq.n_cached:]
             rows = pending + list(draft.tokens if draft else ())
             want = "all" if draft else "last"
-            b = Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits=want)
+            b = Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits=want, prompt_len=seq.n_prompt)
             if draft:  # logits only from the last pending row on
                 b = attrs.evolve(b, want_logits=tuple(i >= len(pending) - 1 for i in range(len(rows))))
             if draft and self.recurrent:

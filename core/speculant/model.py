@@ -87,5 +87,7 @@ class Backend(Protocol):
         attends to keys 0..p (only the last `window` of them if window > 0). -> [rows, n_head, v_dim]."""
         ...
 
-    # Optional: `gelu_tanh(x)`, for a backend that evaluates GELU its own way (the CPU backend
-    # follows llama.cpp's fp16 table); architectures fall back to torch's when it is absent.
+    # Optional, for a backend that computes these its own way (the CPU backend follows llama.cpp's
+    # arithmetic); architectures fall back to torch's when absent:
+    #   gelu_tanh(x); swiglu(gate, up) = silu(gate) * up;
+    #   rope_tables(positions, head_dim, base, scale) -> (cos, sin) [rows, head_dim / 2].

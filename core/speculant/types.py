@@ -13,35 +13,42 @@ class Batch:
 
     `want_logits[i]` says whether row i's logits are returned; `ForwardOutput.logits` holds
     those rows in order. Rows of one sequence are contiguous and in increasing position.
+    `prompt_lens[i]` (optional, 0: unknown) is the length of row i's sequence's prompt, so a
+    backend can compute prompt rows the way its reference implementation computes a prompt.
     """
 
     seq_ids: tuple[int, ...]
     positions: tuple[int, ...]
     tokens: tuple[int, ...]
     want_logits: tuple[bool, ...]
+    prompt_lens: tuple[int, ...] = ()
 
     def __attrs_post_init__(self):
         n = len(self.tokens)
         if not (len(self.seq_ids) == len(self.positions) == len(self.want_logits) == n):
+            raise ValueError("Batch fields must have one entry per row")
+        if self.prompt_lens and len(self.prompt_lens) != n:
             raise ValueError("Batch fields must have one entry per row")
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @classmethod
-    def for_sequence(cls, seq_id: int, start: int, tokens: Seq[int], logits: str = "last") -> "Batch":
+    def for_sequence(cls, seq_id: int, start: int, tokens: Seq[int], logits: str = "last", prompt_len: int = 0) -> "Batch":
         """Rows for one sequence starting at position `start`; logits for 'last', 'all' or 'none' rows."""
         n = len(tokens)
         want = tuple((logits == "all") or (logits == "last" and i == n - 1) for i in range(n))
-        return cls((seq_id,) * n, tuple(range(start, start + n)), tuple(tokens), want)
+        return cls((seq_id,) * n, tuple(range(start, start + n)), tuple(tokens), want, (prompt_len,) * n if prompt_len else ())
 
     @classmethod
     def concat(cls, batches: Seq["Batch"]) -> "Batch":
+        lens = tuple(p for b in batches for p in (b.prompt_lens or (0,) * len(b)))
         return cls(
             tuple(s for b in batches for s in b.seq_ids),
             tuple(p for b in batches for p in b.positions),
             tuple(t for b in batches for t in b.tokens),
             tuple(w for b in batches for w in b.want_logits),
+            lens if any(lens) else (),
         )
 
     def groups(self) -> list[tuple[int, int, int]]:

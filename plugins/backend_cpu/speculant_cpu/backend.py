@@ -1,9 +1,11 @@
 """The CPU kernels: packed linear layers, quantized embedding lookup, batch-invariant attention."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
@@ -19,6 +21,8 @@ GROUP = 32
 # bit-identical between plain decoding (1 row) and verification (k rows). Longer runs are prompt
 # prefills, which are the same in both modes, and take one batched call.
 PER_ROW_ATTENTION_MAX = 128
+# llama.cpp's default micro-batch (n_ubatch): the rows of a prompt it computes together.
+LLAMA_UBATCH = 512
 
 
 def _two_rows_at_least(matmul, x: torch.Tensor) -> torch.Tensor:
@@ -65,11 +69,14 @@ class Int4Linear:
 class NativeLinear:
     """y = x @ W.T (+ b) by the native fused kernels, W read in its GGUF format straight from the
     file's memory map (no copy: resident memory stays about the size of the file). x is quantized
-    per call to 8 bits as llama.cpp does (Q8_K or Q8_0), so results track llama.cpp's closely."""
+    per call to 8 bits as llama.cpp does (Q8_K or Q8_0), and the arithmetic is llama.cpp's, so the
+    results are its results. Prompt rows (the backend's `batch` scope says which) take the
+    arithmetic llama.cpp uses for a prompt where that differs (Q4_K)."""
 
     uses_mapping = True  # the loader must not release this tensor's pages
 
-    def __init__(self, lib, info, bias):
+    def __init__(self, backend, lib, info, bias):
+        self.backend = backend
         self.lib, self.qtype = lib, int(info.qtype)
         self.raw = info.data  # keeps the mapping alive
         self.ptr = self.raw.ctypes.data
@@ -80,7 +87,13 @@ class NativeLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        if self.lib.spk_linear(self.qtype, self.ptr, self.out_features, self.in_features, x.data_ptr(), x.shape[0], y.data_ptr()):
+        gemm = self.backend.gemm_rows
+        if gemm is not None and len(gemm) == x.shape[0]:
+            failed = self.lib.spk_linear_prompt(self.qtype, self.ptr, self.out_features, self.in_features, x.data_ptr(),
+                                                x.shape[0], y.data_ptr(), gemm.ctypes.data)
+        else:
+            failed = self.lib.spk_linear(self.qtype, self.ptr, self.out_features, self.in_features, x.data_ptr(), x.shape[0], y.data_ptr())
+        if failed:
             raise RuntimeError(f"native linear refused a {x.shape[0]}x{self.in_features} input")
         return y if self.bias is None else y + self.bias
 
@@ -130,6 +143,8 @@ class CpuBackend:
         if use_native is None:
             use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
         self.native = native.load() if use_native else None
+        self._gelu_table: torch.Tensor | None = None
+        self.gemm_rows: np.ndarray | None = None  # set inside `batch`: rows computed as llama.cpp computes a prompt
         if use_native and self.native is None:
             _warn_once(f"native CPU kernels unavailable ({native.why_unavailable()}); using torch's kernels, which are slower")
         # An fp16 cache, as llama.cpp keeps by default: half the memory, and its rounding.
@@ -146,19 +161,76 @@ class CpuBackend:
         b = None if bias is None else self.tensor(bias)
         rows, cols = weight.shape
         if self.native is not None and self.native.spk_supports(int(weight.qtype), cols):
-            return NativeLinear(self.native, weight, b)
+            return NativeLinear(self, self.native, weight, b)
         if weight.qtype in INT4_TYPES and cols % GROUP == 0 and rows % 16 == 0:  # the pack's own constraints
             return Int4Linear(weight, b)
         return DenseLinear(weight, b)
 
+    @contextlib.contextmanager
+    def batch(self, batch):
+        """A forward's layers run inside this scope: it marks the rows that llama.cpp would compute
+        with its prompt arithmetic. llama.cpp takes a prompt in batches of LLAMA_UBATCH rows; in a
+        batch it computes Q4_K for the rows that fill whole groups of four with its gemm kernels
+        (the rest with its gemv, which every decode row takes), and Q6_K with its tiled matmul when
+        the batch has eight rows or more. Which applies to a row follows from its position and its
+        sequence's prompt length alone, so plain decoding and speculation still compute every row
+        the same way (spk_linear_prompt). `batch=None`: every row as a decode row.
+
+        Scopes nest: the previous marking comes back when an inner scope ends."""
+        kinds = None
+        if self.native is not None and batch is not None and batch.prompt_lens:
+            flags = []
+            for p, n in zip(batch.positions, batch.prompt_lens):
+                start = p - p % LLAMA_UBATCH
+                size = min(start + LLAMA_UBATCH, n) - start  # the rows of p's prompt batch
+                q4k_gemm = p < n and p < start + size // 4 * 4
+                q6k_tiled = p < n and size >= 8
+                flags.append(int(q4k_gemm) | 2 * int(q6k_tiled))
+            if any(flags):
+                kinds = np.array(flags, np.uint8)
+        outer, self.gemm_rows = self.gemm_rows, kinds
+        try:
+            yield
+        finally:
+            self.gemm_rows = outer
+
+    # With the native library, the element-wise pieces below are llama.cpp's CPU arithmetic bit for
+    # bit (elementwise.cpp), like the linear layers and attention: a forward's logits are then
+    # llama.cpp's, and greedy output follows it even where two tokens are close.
+
     def gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
-        """tanh-GELU. With the native kernels, as llama.cpp's CPU backend evaluates it from a
-        table over fp16: input and result rounded to fp16 (exact outside [-10, 10]), which keeps
-        greedy output on llama.cpp's where two tokens are close."""
+        """tanh-GELU; natively as llama.cpp evaluates it, from a table of every fp16 input's result
+        rounded to fp16 (x itself from 10 up, 0 from -10 down)."""
         if self.native is None:
             return F.gelu(x, approximate="tanh")
-        y = F.gelu(x.half().float(), approximate="tanh").half().float()
+        if self._gelu_table is None:
+            table = np.zeros(65536, np.uint16)
+            self.native.spk_gelu_table(table.ctypes.data)
+            self._gelu_table = torch.from_numpy(table.view(np.float16).astype(np.float32))
+        y = self._gelu_table[x.half().view(torch.int16).long() & 0xFFFF]
         return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up; natively with ggml's vector exp approximation."""
+        if self.native is None:
+            return F.silu(gate) * up
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        self.native.spk_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.shape[0], gate.shape[-1])
+        return out
+
+    def rope_tables(self, positions: torch.Tensor, head_dim: int, base: float, scale: float = 1.0):
+        """cos, sin [rows, head_dim / 2]; natively with the angle chained in float and libm's
+        cosf/sinf, as llama.cpp builds them."""
+        if self.native is None:  # angles in float64, rounded once
+            inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+            angles = (positions.to(torch.float64) / scale)[:, None] * inv_freq[None, :]
+            return angles.cos().float(), angles.sin().float()
+        pos = positions.to(torch.int64).contiguous()
+        cos = torch.empty(len(pos), head_dim // 2)
+        sin = torch.empty(len(pos), head_dim // 2)
+        self.native.spk_rope_table(pos.data_ptr(), len(pos), head_dim, base, 1.0 / scale, cos.data_ptr(), sin.data_ptr())
+        return cos, sin
 
     def embedding(self, weight):
         return QuantEmbedding(weight)

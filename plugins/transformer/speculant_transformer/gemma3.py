@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from speculant import Batch, ForwardOutput, KVCache
 from speculant.gguf.tokenizer import Tokenizer
 
-from speculant_transformer.layers import DecoderModel, apply_rope, attend, commit, reserve, rms_norm, rope_tables
+from speculant_transformer.layers import DecoderModel, apply_rope, attend, batch_scope, commit, reserve, rms_norm, rope_fn
 from speculant_transformer.loading import WeightLoader, model_info, require
 
 SWA_PATTERN = 6  # layers i with (i + 1) % 6 != 0 use the sliding window
@@ -106,6 +106,7 @@ class Gemma3Model(DecoderModel):
         c = self.config
         groups = reserve(batch, cache)
         positions = torch.tensor(batch.positions)
+        rope_tables = rope_fn(self.backend)
         rope_global = rope_tables(positions, c.head_dim, c.rope_base, c.rope_scale)
         rope_local = rope_tables(positions, c.head_dim, SWA_ROPE_BASE)
         rows = len(batch)
@@ -113,23 +114,27 @@ class Gemma3Model(DecoderModel):
         gelu = getattr(self.backend, "gelu_tanh", gelu_tanh)
 
         x = self.embed(torch.tensor(batch.tokens)) * (c.n_embd**0.5)  # [rows, n_embd]
-        for i, blk in enumerate(self.blocks):
-            sliding = c.is_sliding(i)
-            cos, sin = rope_local if sliding else rope_global
-            h = rms_norm(x, blk.attn_norm, c.eps)
-            q = rms_norm(blk.wq(h).view(rows, c.n_head, c.head_dim), blk.q_norm, c.eps)
-            k = rms_norm(blk.wk(h).view(rows, c.n_kv_head, c.head_dim), blk.k_norm, c.eps)
-            v = blk.wv(h).view(rows, c.n_kv_head, c.head_dim)
-            q, k = apply_rope(q, cos, sin, neox=True), apply_rope(k, cos, sin, neox=True)
-            attn = attend(self.backend, cache, i, groups, positions, q, k, v, c.head_dim**-0.5,
-                          window=c.window if sliding else 0)
-            x = x + rms_norm(blk.wo(attn.reshape(rows, c.n_head * c.head_dim)), blk.post_attn_norm, c.eps)
+        with batch_scope(self.backend, batch):
+            for i, blk in enumerate(self.blocks):
+                sliding = c.is_sliding(i)
+                cos, sin = rope_local if sliding else rope_global
+                h = rms_norm(x, blk.attn_norm, c.eps)
+                q = rms_norm(blk.wq(h).view(rows, c.n_head, c.head_dim), blk.q_norm, c.eps)
+                k = rms_norm(blk.wk(h).view(rows, c.n_kv_head, c.head_dim), blk.k_norm, c.eps)
+                v = blk.wv(h).view(rows, c.n_kv_head, c.head_dim)
+                q, k = apply_rope(q, cos, sin, neox=True), apply_rope(k, cos, sin, neox=True)
+                # queries scaled before attention (scale 1 inside), as llama.cpp does: scaling after
+                # the fp16 dot product differs where the scaled query is an fp16 subnormal
+                attn = attend(self.backend, cache, i, groups, positions, q * c.head_dim**-0.5, k, v, 1.0,
+                              window=c.window if sliding else 0)
+                x = x + rms_norm(blk.wo(attn.reshape(rows, c.n_head * c.head_dim)), blk.post_attn_norm, c.eps)
 
-            h = rms_norm(x, blk.ffn_norm, c.eps)
-            h = blk.w_down(gelu(blk.w_gate(h)) * blk.w_up(h))
-            x = x + rms_norm(h, blk.post_ffn_norm, c.eps)
-            if i in hidden_layers:
-                hidden[i] = x
+                h = rms_norm(x, blk.ffn_norm, c.eps)
+                with batch_scope(self.backend, None if i == c.n_layers - 1 else batch):
+                    h = blk.w_down(gelu(blk.w_gate(h)) * blk.w_up(h))
+                x = x + rms_norm(h, blk.post_ffn_norm, c.eps)
+                if i in hidden_layers:
+                    hidden[i] = x
         commit(batch, groups, cache)
 
         return self.head(batch, x, hidden, hidden_layers)

@@ -1,18 +1,20 @@
 """Small pieces shared by the architectures: RMSNorm, rotary embeddings, the per-layer KV step."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from speculant import Batch, ForwardOutput, KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As llama.cpp computes it: the float squares summed in double, the mean rounded to float,
-    then x * (1 / sqrt(mean + eps)) and the weight in float. A float32 sum drifts from it where the
-    activations are large (gemma's): teacher-forced on llama.cpp's outputs, gemma-3-270m's mean
-    log-probability margin error fell from 0.83 to 0.28 with the double sum (qwen: ~0.07 either way)."""
-    mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
-    return x * (1.0 / torch.sqrt(mean + eps)) * weight
+    """As llama.cpp computes it: the float squares summed in double, one after the other (cumsum
+    keeps that order), the mean rounded to float, then x * (1 / sqrtf(mean + eps)) and the weight
+    in float. torch's float32 sqrt is not always correctly rounded (sqrtf is); the float64 sqrt
+    rounded to float is. A float32 sum drifts from it where the activations are large (gemma's)."""
+    mean = ((x * x).double().cumsum(-1)[..., -1:] / x.shape[-1]).float()
+    return x * (1.0 / torch.sqrt((mean + eps).double()).float()) * weight
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,15 +24,37 @@ def rope_tables(positions: torch.Tensor, head_dim: int, base: float, scale: floa
     return angles.cos().float(), angles.sin().float()
 
 
+def batch_scope(backend, batch: Batch | None):
+    """The backend's `batch(batch)` scope around a forward's layers, where it has one (the CPU
+    backend computes prompt rows as llama.cpp does there). The last layer's FFN goes in a nested
+    `batch_scope(backend, None)`: llama.cpp keeps only the rows that want logits from there on,
+    so their FFN is computed as decode rows are."""
+    scope = getattr(backend, "batch", None)
+    return scope(batch) if scope is not None else contextlib.nullcontext()
+
+
+def rope_fn(backend):
+    """The backend's `rope_tables` where it has one (the CPU backend builds them as llama.cpp does)."""
+    return getattr(backend, "rope_tables", rope_tables)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
     """Rotate x [rows, heads, head_dim]. NEOX style pairs dimension i with i + d/2 (qwen, gemma);
-    the original style pairs 2i with 2i+1 (llama, whose GGUF converter permutes q/k for it)."""
+    the original style pairs 2i with 2i+1 (llama, whose GGUF converter permutes q/k for it).
+
+    Rounded as llama.cpp's compiled code does it, with one FMA each: x1 cos - (x2 sin) and
+    x1 sin + (x2 cos), the bracketed product rounded to float. The fused product is exact in
+    float64, so the sum there rounds once more only at a float64 tie (about 2^-29 of cases)."""
     cos, sin = cos[:, None, :], sin[:, None, :]
     if neox:
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    first = (x1.double() * cos.double() - (x2 * sin).double()).float()
+    second = (x1.double() * sin.double() + (x2 * cos).double()).float()
+    if neox:
+        return torch.cat([first, second], dim=-1)
+    return torch.stack([first, second], dim=-1).flatten(-2)
 
 
 def reserve(batch: Batch, cache: KVCache) -> list[tuple[int, int, int]]:

@@ -11,8 +11,13 @@ import torch.nn.functional as F
 from speculant import Batch, ForwardOutput, KVCache
 from speculant.gguf.tokenizer import Tokenizer
 
-from speculant_transformer.layers import DecoderModel, apply_rope, attend, commit, reserve, rms_norm, rope_tables
+from speculant_transformer.layers import DecoderModel, apply_rope, attend, batch_scope, commit, reserve, rms_norm, rope_fn
 from speculant_transformer.loading import WeightLoader, model_info, require
+
+
+def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """For backends without their own `swiglu` (the Backend protocol's optional kernel)."""
+    return F.silu(gate) * up
 
 
 @attrs.frozen
@@ -94,26 +99,29 @@ class LlamaModel(DecoderModel):
         c = self.config
         groups = reserve(batch, cache)
         positions = torch.tensor(batch.positions)
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_base, c.rope_scale)
+        cos, sin = rope_fn(self.backend)(positions, c.head_dim, c.rope_base, c.rope_scale)
         rows = len(batch)
         hidden = {}
+        swiglu = getattr(self.backend, "swiglu", silu_times)
 
         x = self.embed(torch.tensor(batch.tokens))  # [rows, n_embd]
-        for i, blk in enumerate(self.blocks):
-            h = rms_norm(x, blk.attn_norm, c.eps)
-            q = blk.wq(h).view(rows, c.n_head, c.head_dim)
-            k = blk.wk(h).view(rows, c.n_kv_head, c.head_dim)
-            v = blk.wv(h).view(rows, c.n_kv_head, c.head_dim)
-            if blk.q_norm is not None:
-                q, k = rms_norm(q, blk.q_norm, c.eps), rms_norm(k, blk.k_norm, c.eps)
-            q, k = apply_rope(q, cos, sin, c.neox), apply_rope(k, cos, sin, c.neox)
-            attn = attend(self.backend, cache, i, groups, positions, q, k, v, c.head_dim**-0.5)
-            x = x + blk.wo(attn.reshape(rows, c.n_head * c.head_dim))
+        with batch_scope(self.backend, batch):
+            for i, blk in enumerate(self.blocks):
+                h = rms_norm(x, blk.attn_norm, c.eps)
+                q = blk.wq(h).view(rows, c.n_head, c.head_dim)
+                k = blk.wk(h).view(rows, c.n_kv_head, c.head_dim)
+                v = blk.wv(h).view(rows, c.n_kv_head, c.head_dim)
+                if blk.q_norm is not None:
+                    q, k = rms_norm(q, blk.q_norm, c.eps), rms_norm(k, blk.k_norm, c.eps)
+                q, k = apply_rope(q, cos, sin, c.neox), apply_rope(k, cos, sin, c.neox)
+                attn = attend(self.backend, cache, i, groups, positions, q, k, v, c.head_dim**-0.5)
+                x = x + blk.wo(attn.reshape(rows, c.n_head * c.head_dim))
 
-            h = rms_norm(x, blk.ffn_norm, c.eps)
-            x = x + blk.w_down(F.silu(blk.w_gate(h)) * blk.w_up(h))
-            if i in hidden_layers:
-                hidden[i] = x
+                h = rms_norm(x, blk.ffn_norm, c.eps)
+                with batch_scope(self.backend, None if i == c.n_layers - 1 else batch):
+                    x = x + blk.w_down(swiglu(blk.w_gate(h), blk.w_up(h)))
+                if i in hidden_layers:
+                    hidden[i] = x
         commit(batch, groups, cache)
 
         return self.head(batch, x, hidden, hidden_layers)

@@ -1,6 +1,8 @@
-"""Build and load the native kernels (qmatmul.cpp) at first use.
+"""Build and load the native kernels at first use.
 
-The library (qmatmul.cpp: the linear layers; attention.cpp: decode attention) is compiled with the machine's C++ compiler for this CPU (-march=native) and cached
+The library (qmatmul.cpp: the linear layers; attention.cpp: decode attention; elementwise.cpp:
+SwiGLU, the GELU table and rope tables with llama.cpp's arithmetic) is compiled with the
+machine's C++ compiler for this CPU (-march=native) and cached
 under ``$SPECULANT_CACHE`` (default ``~/.cache/speculant``) by a hash of the source, the compiler
 and the CPU flags, so a later start loads it in milliseconds. It is reached through ctypes: no
 Python or torch headers, so it builds in a couple of seconds. When there is no compiler, or the
@@ -18,8 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "attention.cpp")]
-ABI_VERSION = 2
+SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "attention.cpp", "elementwise.cpp")]
+ABI_VERSION = 3
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
 
 _lib: ctypes.CDLL | None = None
@@ -75,12 +77,20 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.spk_supports.restype = ctypes.c_int
     lib.spk_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.spk_linear.restype = ctypes.c_int
+    lib.spk_linear_prompt.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr]
+    lib.spk_linear_prompt.restype = ctypes.c_int
     lib.spk_prefault.argtypes = [ptr, i64]
     c_int, c_float = ctypes.c_int, ctypes.c_float
     lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr, c_int]
     lib.spk_attention_f16.restype = c_int
     lib.spk_exp_check.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
     lib.spk_exp_check.restype = i64
+    lib.spk_swiglu.argtypes = [ptr, ptr, ptr, i64, i64]
+    lib.spk_swiglu.restype = None
+    lib.spk_gelu_table.argtypes = [ptr]
+    lib.spk_gelu_table.restype = None
+    lib.spk_rope_table.argtypes = [ptr, i64, c_int, c_float, c_float, ptr, ptr]
+    lib.spk_rope_table.restype = None
     return lib
 
 

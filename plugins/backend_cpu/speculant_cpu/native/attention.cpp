@@ -102,7 +102,7 @@ void attend_one(int64_t item, void* ctx) {
             vs = std::exp(s - M);
         }
         mad_f16(acc, vh + j * c.dv, vs, c.dv);
-        S = S * ms + vs;
+        S = std::fma(S, ms, vs);  // llama.cpp's compiled S*ms + vs is one FMA
     }
     const float s_inv = S == 0.f ? 0.f : 1.f / S;
     float* o = c.out + (r * c.n_head + h) * c.dv;
@@ -280,7 +280,7 @@ void attend_chunk(int64_t item, void* ctx) {
                 }
                 for (int i = 16 * nv; i < c.dv; ++i)
                     acc[i] = _cvtss_sh(std::fma(vf[i], w.vs, _cvtsh_ss(acc[i])), _MM_FROUND_TO_NEAREST_INT);
-                pairs[t].S = pairs[t].S * w.ms + w.vs;
+                pairs[t].S = std::fma(pairs[t].S, w.ms, w.vs);  // as attend_one
             }
         }
     }

@@ -9,14 +9,20 @@
 // Batch invariance: a row's result does not depend on how many rows are computed with it (the
 // engine's exactness needs it). For Q8_0/Q5_0/Q4_0 every output y[i, r] goes through the same
 // per-lane operations whatever m is (one row in a ymm, or a pair of rows in the halves of a zmm,
-// then the same reduction). Q4_K and Q6_K have two paths, AVX-512 VNNI for few rows and
-// AMX tiles for more (spk_linear picks by m), and they agree bit for bit because both compute,
-// per (weight row, activation row, 256-block), the same EXACT integers
+// then the same reduction). Q4_K has two paths, AVX-512 VNNI for few rows and AMX tiles for more
+// (spk_linear picks by m), and they agree bit for bit because both compute, per (weight row,
+// activation row, 256-block), the same EXACT integers
 //   Q4_K: isum = sum_j sc_j * (sum_{i in sub-block j} q_i x_i),  msum = sum_j min_j * bsum32_j
-//   Q6_K: isum = sum_g sc_g * (sum_{i in g} q_i x_i) - 32 * sum_g sc_g * bsum16_g
-// and then the one canonical fp32 epilogue below (epilogue_q4k / epilogue_q6k), in block order,
-// lane-wise: 4 activation rows per xmm in the VNNI kernels, 16 per zmm in the AMX kernel. The
-// library is built with -ffp-contract=off so that the compiler fuses none of it into an FMA.
+// and then the one canonical fp32 epilogue below (epilogue_q4k), in block order, lane-wise: 4
+// activation rows per xmm in the VNNI kernels, 16 per zmm in the AMX kernel. Q6_K has one path.
+//
+// The fp32 arithmetic is llama.cpp's, operation for operation, as its x86 CPU backend runs these
+// types (AVX2 and up; checked against its tensors): Q4_K as its repacked 8x8 gemv/gemm (two FMA
+// chains per output, for the scales and the mins, subtracted at the end), Q6_K as
+// ggml_vec_dot_q6_K_q8_K (eight partial integer sums per block, each in its own FMA chain, then
+// one fixed reduction tree), the 32-blocks as ggml_vec_dot_q8_0_q8_0. So our logits are theirs
+// bit for bit where the inputs are, and greedy decoding follows llama.cpp's even at near-ties.
+// The library is built with -ffp-contract=off: the only FMAs are the ones written here.
 //
 // Called through ctypes (no Python or torch headers: it builds in about a second). Threads come
 // from a small pool of our own; the caller runs a share of the work too.
@@ -77,8 +83,7 @@ struct Act {
     // AMX layout (Q8_K only): groups of 16 rows, the last one padded with zero rows.
     std::vector<int8_t> bt;     // [group, nb, 64, 16, 4]: a tile B per block (value v of row i at [v/4][i][v%4])
     std::vector<float> dt;      // [group, nb, 16]: scales, lane = row in the group
-    std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of the sums of each 32 values [4][16];
-                                //                  Q6_K: the sums of all 256 values [16]
+    std::vector<int32_t> bp;    // [group, nb, 64]: int16 pairs of the sums of each 32 values [4][16]
 };
 
 // llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude (the first
@@ -147,9 +152,9 @@ void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float*
 
 inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
 
-// AMX layout: row i of the call goes to lane i % 16 of group i / 16 (values in q4k_order for
-// Q4_K, natural for Q6_K: the order of the weight planes). x == nullptr: a zero row.
-void quantize_q8k_row_amx(const float* x, int nb, bool q4k, int64_t i, Act& a) {
+// AMX layout: row i of the call goes to lane i % 16 of group i / 16 (values in q4k_order, the
+// order of the weight planes). x == nullptr: a zero row.
+void quantize_q8k_row_amx(const float* x, int nb, int64_t i, Act& a) {
     const int64_t g = i / 16;
     const int lane = (int)(i % 16);
     for (int b = 0; b < nb; ++b) {
@@ -163,18 +168,12 @@ void quantize_q8k_row_amx(const float* x, int nb, bool q4k, int64_t i, Act& a) {
         for (int v = 0; v < 64; ++v) {
             // q4k_order: within each 128 values, the 32-value segments in the order 0, 2, 1, 3
             const int w = v % 32, seg = w / 8;
-            const int src = q4k ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
+            const int src = (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8;
             std::memcpy(bt + 64 * v, q + 4 * src, 4);
         }
         a.dt[gb * 16 + lane] = d;
         int32_t* bp = a.bp.data() + gb * 64 + lane;
-        if (q4k) {
-            for (int p = 0; p < 4; ++p) bp[16 * p] = pair16(bs32[2 * p], bs32[2 * p + 1]);
-        } else {
-            int s = 0;
-            for (int j = 0; j < 16; ++j) s += bs16[j];
-            bp[0] = s;
-        }
+        for (int p = 0; p < 4; ++p) bp[16 * p] = pair16(bs32[2 * p], bs32[2 * p + 1]);
     }
 }
 
@@ -191,27 +190,36 @@ void quantize_q80_row(const float* x, int nb, int8_t* qs, float* d) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The canonical K-quant epilogue: one block's exact integer sums into the fp32 accumulator of a
-// (weight row, activation row), per lane
-//   Q4_K: acc = acc + ((d * dx) * (float)isum - (dmin * dx) * (float)msum)
-//   Q6_K: acc = acc + (d * dx) * (float)isum
-// (d, dmin: the weight block's scales, dx: the activation block's). Every form below does these
-// IEEE operations in this order (no FMA: -ffp-contract=off), so they round identically. Integer
+// The canonical Q4_K epilogue: one block's exact integer sums into the two fp32 accumulators of a
+// (weight row, activation row), per lane, as llama.cpp's repacked Q4_K kernels do it
+//   acc = fma((float)isum, d * dx, acc),  macc = fma((float)msum, dmin * dx, macc)
+// and y = acc - macc after the last block (d, dmin: the weight block's scales, dx: the activation
+// block's). Q6_K: eight int32 partial sums per block, lane l holding the 4-value groups g with
+// g % 8 == l less 32 * (sc_2l * bsum16_2l + sc_2l+1 * bsum16_2l+1); acc_l = fma(d * dx,
+// (float)sum_l, acc_l), and y = the reduction tree of hsum8 over the eight lanes. Integer
 // range: |x| <= 127; Q4_K: q <= 15, sc, min <= 63, so |isum| <= 8*63*32*15*127 = 30.7M and |msum|
 // <= 8*63*32*127 = 2.0M; Q6_K: q <= 63, |sc| <= 128, so |isum| <= 16*128*16*63*127 +
 // 32*16*128*16*127 = 395M: all within int32. (float)isum: cvtdq2ps, rounding to nearest (MXCSR).
-inline __m512 epilogue_q4k(__m512 acc, __m512 d, __m512 dmin, __m512 dx, __m512i isum, __m512i msum) {
-    return _mm512_add_ps(acc, _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)),
-                                            _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(msum))));
+inline void epilogue_q4k(__m512& acc, __m512& macc, __m512 d, __m512 dmin, __m512 dx, __m512i isum, __m512i msum) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), acc);
+    macc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), macc);
 }
-inline __m128 epilogue_q4k(__m128 acc, __m128 d, __m128 dmin, __m128 dx, __m128i isum, __m128i msum) {
-    return _mm_add_ps(acc, _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(isum)), _mm_mul_ps(_mm_mul_ps(dmin, dx), _mm_cvtepi32_ps(msum))));
+inline void epilogue_q4k(__m128& acc, __m128& macc, __m128 d, __m128 dmin, __m128 dx, __m128i isum, __m128i msum) {
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_mul_ps(d, dx), acc);
+    macc = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin, dx), macc);
 }
-inline __m128 epilogue_q6k(__m128 acc, __m128 d, __m128 dx, __m128i isum) {
-    return _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(isum)));
+// Q6_K: v's 16 int32 lanes (lane t: the groups g % 16 == t, less the correction in lanes 0..7)
+// folded to the eight of lane class g % 8, into that class's FMA chain.
+inline __m256 epilogue_q6k(__m256 acc, float d_dx, __m512i v) {
+    const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    return _mm256_fmadd_ps(_mm256_set1_ps(d_dx), _mm256_cvtepi32_ps(sum), acc);
 }
-inline __m512 epilogue_q6k(__m512 acc, __m512 d, __m512 dx, __m512i isum) {
-    return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)));
+// llama.cpp's hsum_float_8: (a0 + a4) + (a2 + a6) + ((a1 + a5) + (a3 + a7)).
+inline float hsum8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -310,8 +318,8 @@ inline void q4k_values(const BlockQ4K& blk, __m512i q[4]) {
 template <int NR>
 void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     constexpr int NG = (NR + 3) / 4;
-    __m128 s[NG];
-    for (int g = 0; g < NG; ++g) s[g] = _mm_setzero_ps();
+    __m128 s[NG], sn[NG];  // the FMA chains of the scales and of the mins
+    for (int g = 0; g < NG; ++g) s[g] = sn[g] = _mm_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         const BlockQ4K& blk = w[b];
         prefetch(&blk, sizeof(BlockQ4K));
@@ -344,12 +352,76 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
                 mm[t] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8)));
                 dx[t] = a.d[ab];
             }
-            s[g] = epilogue_q4k(s[g], _mm_set1_ps(d), _mm_set1_ps(dmin), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc), hsum4(mm));
+            epilogue_q4k(s[g], sn[g], _mm_set1_ps(d), _mm_set1_ps(dmin), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc), hsum4(mm));
         }
     }
     for (int i = 0; i < NR; ++i) {
         alignas(16) float out[4];
-        _mm_store_ps(out, s[i / 4]);
+        _mm_store_ps(out, _mm_sub_ps(s[i / 4], sn[i / 4]));
+        y[i * ldy] = out[i % 4];
+    }
+}
+
+// Prompt rows, as llama.cpp's repacked Q4_K gemm computes them (the rows of a prompt batch in
+// whole groups of four): the FMA chains take one step per pair of sub-blocks (0,1), (2,3), (4,5),
+// (6,7) instead of one per block. The integers are the same; zmm z of q4k_values holds sub-blocks
+// (0,2), (1,3), (4,6), (5,7) in its low and high eight lanes, so z0 + z1 gives pairs 0 and 1 in
+// its halves and z2 + z3 pairs 2 and 3.
+template <int NR>
+void dot_q4k_pairs(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    constexpr int NG = (NR + 3) / 4;
+    __m128 s[NG], sn[NG];
+    for (int g = 0; g < NG; ++g) s[g] = sn[g] = _mm_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const BlockQ4K& blk = w[b];
+        prefetch(&blk, sizeof(BlockQ4K));
+        const float d = f16(blk.d), dmin = f16(blk.dmin);
+        const __m256i sm = _mm256_cvtepu8_epi16(q4k_scales(blk));
+        const __m512i smz = _mm512_castsi256_si512(sm);
+        const __m512i sc[4] = {_mm512_permutexvar_epi16(Q4.idx[0], smz), _mm512_permutexvar_epi16(Q4.idx[1], smz),
+                               _mm512_permutexvar_epi16(Q4.idx[2], smz), _mm512_permutexvar_epi16(Q4.idx[3], smz)};
+        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        __m512i q[4];
+        q4k_values(blk, q);
+        for (int g = 0; g < NG; ++g) {
+            __m512i part[4][4];  // [pair][row of the group]: the pair's lanes, the others zero
+            __m128i mm[4];       // lane j: pair j's mins times block sums
+            float dx[4];
+            for (int t = 0; t < 4; ++t) {
+                const int i = 4 * g + t;
+                if (i >= NR) {
+                    for (int j = 0; j < 4; ++j) part[j][t] = _mm512_setzero_si512();
+                    mm[t] = _mm_setzero_si128();
+                    dx[t] = 0.f;
+                    continue;
+                }
+                const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+                __m512i x[4];
+                load_x4(a.qs.data() + ab * 256, x);
+                const __m512i lo = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(q[0], x[0]), sc[0]),
+                                                       _mm512_maddubs_epi16(q[1], x[1]), sc[1]);
+                const __m512i hi = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(q[2], x[2]), sc[2]),
+                                                       _mm512_maddubs_epi16(q[3], x[3]), sc[3]);
+                part[0][t] = _mm512_maskz_mov_epi32(0x00FF, lo);
+                part[1][t] = _mm512_maskz_mov_epi32(0xFF00, lo);
+                part[2][t] = _mm512_maskz_mov_epi32(0x00FF, hi);
+                part[3][t] = _mm512_maskz_mov_epi32(0xFF00, hi);
+                mm[t] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8)));
+                dx[t] = a.d[ab];
+            }
+            // mm transposed: lane t of mt[j] is row t's pair j
+            const __m128i u0 = _mm_unpacklo_epi32(mm[0], mm[1]), u1 = _mm_unpackhi_epi32(mm[0], mm[1]);
+            const __m128i u2 = _mm_unpacklo_epi32(mm[2], mm[3]), u3 = _mm_unpackhi_epi32(mm[2], mm[3]);
+            const __m128i mt[4] = {_mm_unpacklo_epi64(u0, u2), _mm_unpackhi_epi64(u0, u2),
+                                   _mm_unpacklo_epi64(u1, u3), _mm_unpackhi_epi64(u1, u3)};
+            const __m128 dxv = _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]);
+            for (int j = 0; j < 4; ++j)
+                epilogue_q4k(s[g], sn[g], _mm_set1_ps(d), _mm_set1_ps(dmin), dxv, hsum4(part[j]), mt[j]);
+        }
+    }
+    for (int i = 0; i < NR; ++i) {
+        alignas(16) float out[4];
+        _mm_store_ps(out, _mm_sub_ps(s[i / 4], sn[i / 4]));
         y[i * ldy] = out[i % 4];
     }
 }
@@ -385,6 +457,37 @@ inline void q6k_values(const BlockQ6K& blk, __m512i q[4]) {
 
 template <int NR>
 void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    __m256 s[NR];
+    for (int i = 0; i < NR; ++i) s[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const BlockQ6K& blk = w[b];
+        prefetch(&blk, sizeof(BlockQ6K));
+        const float d = f16(blk.d);
+        __m512i q[4];
+        q6k_values(blk, q);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
+        const __m512i sc16z = _mm512_castsi256_si512(sc16);
+        __m512i sg[4];
+        for (int g = 0; g < 4; ++g) sg[g] = _mm512_permutexvar_epi16(Q6.idx[g], sc16z);
+        for (int i = 0; i < NR; ++i) {
+            const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+            const int8_t* xq = a.qs.data() + ab * 256;
+            __m512i x[4];
+            load_x4(xq, x);
+            const __m512i v = scaled_dot4(q, sg, x);
+            // The stored values are q + 32: subtract 32 * sum_g scale_g * sum(x in group g).
+            const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
+            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+            s[i] = epilogue_q6k(s[i], a.d[ab] * d, _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr)));
+        }
+    }
+    for (int i = 0; i < NR; ++i) y[i * ldy] = hsum8(s[i]);
+}
+
+// Prompt rows, as llama.cpp's tiled K-quant matmul computes Q6_K for a prompt batch of eight
+// rows or more: one integer sum per block, then acc = fma((float)isum * d, dx, acc).
+template <int NR>
+void dot_q6k_tiled(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     constexpr int NG = (NR + 3) / 4;
     __m128 s[NG];
     for (int g = 0; g < NG; ++g) s[g] = _mm_setzero_ps();
@@ -409,17 +512,17 @@ void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t 
                     continue;
                 }
                 const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
-                const int8_t* xq = a.qs.data() + ab * 256;
                 __m512i x[4];
-                load_x4(xq, x);
+                load_x4(a.qs.data() + ab * 256, x);
                 const __m512i v = scaled_dot4(q, sg, x);
-                // The stored values are q + 32: subtract 32 * sum_g scale_g * sum(x in group g).
                 const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
                 const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
                 acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
                 dx[t] = a.d[ab];
             }
-            s[g] = epilogue_q6k(s[g], _mm_set1_ps(d), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc));
+            const __m128 f = _mm_mul_ps(_mm_cvtepi32_ps(hsum4(acc)), _mm_set1_ps(d));
+            // (llama.cpp's code writes buf + result * dx; the compiler fuses it)
+            s[g] = _mm_fmadd_ps(f, _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), s[g]);
         }
     }
     for (int i = 0; i < NR; ++i) {
@@ -522,16 +625,16 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
 }
 
 // ---------------------------------------------------------------------------------------------
-// AMX-INT8 kernel for Q4_K and Q6_K: 16 weight rows (tile A, u8) against 16 activation rows (tile
-// B, s8, in the VNNI layout B[v/4][row][v%4]), full K = 64 per TDPBUSD. The sub-block scales go
-// into the weights themselves, split into two byte planes so the products stay u8, and the two
-// planes' exact sums recombine in int32:
-//   Q4_K: sc = 8*hi + lo (hi, lo <= 7), plane1 = hi*q, plane2 = lo*q (<= 105):
-//         isum = 8*C1 + C2;  msum from the block sums (vpdpwssd), as in the VNNI kernel.
-//   Q6_K: p = sc*(q - 32) + 4096 in [32, 8192], plane1 = p & 255, plane2 = p >> 8 (<= 32):
-//         isum = C1 + 256*C2 - 4096*bsum256.
-// Range: Q4_K C <= 256*105*127 = 3.4M; Q6_K C1 <= 256*255*127 = 8.3M, 256*C2 <= 266M,
-// 4096*|bsum256| <= 133M: int32. Then the canonical epilogue, lane-wise over the activation rows.
+// AMX-INT8 kernel for Q4_K: 16 weight rows (tile A, u8) against 16 activation rows (tile B, s8, in
+// the VNNI layout B[v/4][row][v%4]), full K = 64 per TDPBUSD. The sub-block scales go into the
+// weights themselves, split into two byte planes so the products stay u8, and the two planes'
+// exact sums recombine in int32: sc = 8*hi + lo (hi, lo <= 7), plane1 = hi*q, plane2 = lo*q
+// (<= 105): isum = 8*C1 + C2;  msum from the block sums (vpdpwssd), as in the VNNI kernel.
+// Range: C <= 256*105*127 = 3.4M: int32. Then the canonical epilogue, lane-wise over the
+// activation rows.
+//
+// Q6_K has no AMX path: llama.cpp's arithmetic keeps eight partial sums per block, each over a
+// strided eighth of the values, and a K = 64 tile product mixes them.
 
 bool amx_ok() {
     static const bool ok = [] {
@@ -633,37 +736,16 @@ inline void amx_decode_q4k(const uint8_t* W, size_t row_bytes, int b, int r0, in
     }
 }
 
-// Q6_K: one weight row's block into the two planes (natural order) and dd = (d, 0).
-inline void amx_decode_q6k(const BlockQ6K& blk, uint8_t* P1, uint8_t* P2, float* dd) {
-    __m512i q[4];
-    q6k_values(blk, q);
-    const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales)));
-    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
-    for (int z = 0; z < 4; ++z) {
-        const __m512i s = _mm512_permutexvar_epi16(Q6.idx[z], sc);  // int16 scale of each byte pair
-        const __m512i k = _mm512_sub_epi16(_mm512_set1_epi16(4096), _mm512_slli_epi16(s, 5));
-        // sc * q of the even / odd bytes as int16 (one product per pair: exact), then + 4096 - 32 sc
-        const __m512i pe = _mm512_add_epi16(_mm512_maddubs_epi16(q[z], _mm512_and_si512(s, _mm512_set1_epi16(0xFF))), k);
-        const __m512i po = _mm512_add_epi16(_mm512_maddubs_epi16(q[z], _mm512_slli_epi16(s, 8)), k);
-        _mm512_store_si512(P1 + 64 * z, _mm512_mask_blend_epi8(odd, pe, _mm512_slli_epi16(po, 8)));
-        _mm512_store_si512(P2 + 64 * z, _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(pe, 8), po));
-    }
-    dd[0] = f16(blk.d);
-    dd[1] = 0.f;
-}
-
 // Weight rows [0, nr) (nr <= 16) of a chunk against activation groups g0 .. g0 + ng - 1; the
 // result for activation row i (i0 <= i < i1) goes to y[i * ldy + r]. [pf, pf + pf_bytes): the
 // next chunk, prefetched a little at a time while this one is computed.
-template <class Block>
 void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int g0, int ng, int64_t i0, int64_t i1,
                float* y, int64_t ldy, const uint8_t* pf, int64_t pf_bytes) {
-    constexpr bool Q4 = std::is_same<Block, BlockQ4K>::value;
     alignas(64) uint8_t P1[2][16 * 256], P2[2][16 * 256];  // double-buffered: block b+1 is decoded while b's tiles run
     alignas(64) int32_t C1[16][16], C2[16][16];
-    alignas(64) int32_t mins[2][16][4]; // Q4_K: the mins of each row as int16 pairs
+    alignas(64) int32_t mins[2][16][4]; // the mins of each row as int16 pairs
     alignas(64) float dd[2][16][2];     // (d, dmin) of each row
-    alignas(64) float acc[AMX_GROUPS_MAX][16][16];
+    alignas(64) float acc[AMX_GROUPS_MAX][16][16], macc[AMX_GROUPS_MAX][16][16];
     for (int u = 0; u < 2; ++u)
         for (int r = nr; r < 16; ++r) {  // rows past the weights: zeros
             std::memset(P1[u] + 256 * r, 0, 256);
@@ -672,7 +754,10 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
     std::memset(mins, 0, sizeof mins);
     std::memset(dd, 0, sizeof dd);
     for (int g = 0; g < ng; ++g)
-        for (int r = 0; r < 16; ++r) _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
+        for (int r = 0; r < 16; ++r) {
+            _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
+            _mm512_store_ps(macc[g][r], _mm512_setzero_ps());
+        }
     // The next chunk streams in while this one computes: a share of it per block, its prefetches
     // spread over the block's phases so that the memory requests never stop.
     const char* pf_cur = (const char*)pf;
@@ -684,16 +769,9 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
         for (; pf_cur < e; pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T1);
     };
     auto decode = [&](int b, int u) {  // prefetches shares 16..48
-        if constexpr (Q4) {
-            for (int r0 = 0; r0 < nr; r0 += 4) {
-                prefetch_to(16 + 8 * (r0 / 4 + 1));
-                amx_decode_q4k(W, row_bytes, b, r0, nr, P1[u], P2[u], mins[u], dd[u]);
-            }
-        } else {
-            for (int r = 0; r < nr; ++r) {
-                prefetch_to(16 + 2 * (r + 1));
-                amx_decode_q6k(((const BlockQ6K*)(W + r * row_bytes))[b], P1[u] + 256 * r, P2[u] + 256 * r, dd[u][r]);
-            }
+        for (int r0 = 0; r0 < nr; r0 += 4) {
+            prefetch_to(16 + 8 * (r0 / 4 + 1));
+            amx_decode_q4k(W, row_bytes, b, r0, nr, P1[u], P2[u], mins[u], dd[u]);
         }
     };
     decode(0, 0);
@@ -731,27 +809,21 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
             _tile_stored(1, C2, 64);
             if (g == 0 && b + 1 < nb) decode(b + 1, u ^ 1);  // vector work while the tiles run
             const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
-            if constexpr (Q4) {
-                const int32_t* bp = a.bp.data() + gb * 64;
-                const __m512i bp0 = _mm512_loadu_si512(bp), bp1 = _mm512_loadu_si512(bp + 16);
-                const __m512i bp2 = _mm512_loadu_si512(bp + 32), bp3 = _mm512_loadu_si512(bp + 48);
-                for (int r = 0; r < nr; ++r) {
-                    if (g == 0) prefetch_to(48 + r + 1);
-                    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C1[r]), 3), _mm512_load_si512(C2[r]));
-                    const int32_t* mn = mins[u][r];
-                    __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mn[0]), bp0);
-                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[1]), bp1);
-                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[2]), bp2);
-                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[3]), bp3);
-                    _mm512_store_ps(acc[g][r], epilogue_q4k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(dd[u][r][0]), _mm512_set1_ps(dd[u][r][1]), dx, isum, msum));
-                }
-            } else {
-                const __m512i bsum = _mm512_slli_epi32(_mm512_loadu_si512(a.bp.data() + gb * 64), 12);
-                for (int r = 0; r < nr; ++r) {
-                    if (g == 0) prefetch_to(48 + r + 1);
-                    const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_load_si512(C1[r]), _mm512_slli_epi32(_mm512_load_si512(C2[r]), 8)), bsum);
-                    _mm512_store_ps(acc[g][r], epilogue_q6k(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(dd[u][r][0]), dx, isum));
-                }
+            const int32_t* bp = a.bp.data() + gb * 64;
+            const __m512i bp0 = _mm512_loadu_si512(bp), bp1 = _mm512_loadu_si512(bp + 16);
+            const __m512i bp2 = _mm512_loadu_si512(bp + 32), bp3 = _mm512_loadu_si512(bp + 48);
+            for (int r = 0; r < nr; ++r) {
+                if (g == 0) prefetch_to(48 + r + 1);
+                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C1[r]), 3), _mm512_load_si512(C2[r]));
+                const int32_t* mn = mins[u][r];
+                __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mn[0]), bp0);
+                msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[1]), bp1);
+                msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[2]), bp2);
+                msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[3]), bp3);
+                __m512 s = _mm512_load_ps(acc[g][r]), sn = _mm512_load_ps(macc[g][r]);
+                epilogue_q4k(s, sn, _mm512_set1_ps(dd[u][r][0]), _mm512_set1_ps(dd[u][r][1]), dx, isum, msum);
+                _mm512_store_ps(acc[g][r], s);
+                _mm512_store_ps(macc[g][r], sn);
             }
         }
         prefetch_to(64);
@@ -760,7 +832,7 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
         for (int lane = 0; lane < 16; ++lane) {
             const int64_t i = (int64_t)(g0 + g) * 16 + lane;
             if (i < i0 || i >= i1) continue;
-            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane];
+            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane] - macc[g][r][lane];
         }
 }
 
@@ -858,7 +930,7 @@ static_assert(ROW_CHUNK == 16 && ACT_TILE % 16 == 0 && ACT_TILE <= 16 * AMX_GROU
 // canonical epilogue runs on them lane-wise (lane t: weight row t). Per output the same IEEE
 // operations in the same order as the kernels above, so the bits are the same.
 void dot_q4k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
-    __m128 s = _mm_setzero_ps();
+    __m128 s = _mm_setzero_ps(), sn = _mm_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const int8_t* xq = a.qs.data() + ab * 256;
@@ -882,25 +954,22 @@ void dot_q4k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
             acc[t] = scaled_dot4(q, sc, x);
             mm[t] = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bs);
         }
-        s = epilogue_q4k(s, _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc), hsum4(mm));
+        epilogue_q4k(s, sn, _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc), hsum4(mm));
     }
-    _mm_storeu_ps(y, s);
+    _mm_storeu_ps(y, _mm_sub_ps(s, sn));
 }
 
 void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
-    __m128 s = _mm_setzero_ps();
+    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const int8_t* xq = a.qs.data() + ab * 256;
         __m512i x[4];
         load_x4(xq, x);
         const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
-        __m512i acc[4];
-        float d[4];
         for (int t = 0; t < 4; ++t) {
             const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
             prefetch(&blk, sizeof(BlockQ6K));
-            d[t] = f16(blk.d);
             __m512i q[4];
             q6k_values(blk, q);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
@@ -909,11 +978,10 @@ void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
                                    _mm512_permutexvar_epi16(Q6.idx[2], sc16z), _mm512_permutexvar_epi16(Q6.idx[3], sc16z)};
             const __m512i v = scaled_dot4(q, sg, x);
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-            acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
+            s[t] = epilogue_q6k(s[t], a.d[ab] * f16(blk.d), _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr)));
         }
-        s = epilogue_q6k(s, _mm_loadu_ps(d), _mm_set1_ps(a.d[ab]), hsum4(acc));
     }
-    _mm_storeu_ps(y, s);
+    for (int t = 0; t < 4; ++t) y[t] = hsum8(s[t]);
 }
 
 template <int NR>
@@ -940,6 +1008,26 @@ void dot_tile(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i
     }
 }
 
+// The prompt-row kernels (mode 1: Q4_K as llama.cpp's gemm, mode 2: Q6_K as its tiled matmul).
+template <int NR>
+void dot_prompt_one(int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    if (qtype == T_Q4_K) dot_q4k_pairs<NR>((const BlockQ4K*)row, nb, a, i0, y, ldy);
+    else dot_q6k_tiled<NR>((const BlockQ6K*)row, nb, a, i0, y, ldy);
+}
+
+void dot_tile_prompt(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    switch (nr) {
+        case 1: dot_prompt_one<1>(qtype, row, nb, a, i0, y, ldy); break;
+        case 2: dot_prompt_one<2>(qtype, row, nb, a, i0, y, ldy); break;
+        case 3: dot_prompt_one<3>(qtype, row, nb, a, i0, y, ldy); break;
+        case 4: dot_prompt_one<4>(qtype, row, nb, a, i0, y, ldy); break;
+        case 5: dot_prompt_one<5>(qtype, row, nb, a, i0, y, ldy); break;
+        case 6: dot_prompt_one<6>(qtype, row, nb, a, i0, y, ldy); break;
+        case 7: dot_prompt_one<7>(qtype, row, nb, a, i0, y, ldy); break;
+        default: dot_prompt_one<8>(qtype, row, nb, a, i0, y, ldy); break;
+    }
+}
+
 size_t block_bytes(int qtype) {
     switch (qtype) {
         case T_Q4_K: return sizeof(BlockQ4K);
@@ -955,7 +1043,7 @@ int block_values(int qtype) { return (qtype == T_Q4_K || qtype == T_Q6_K) ? 256 
 
 Act g_act;
 
-// Q4_K / Q6_K calls with at least this many rows take the AMX kernel (0: never): its cost is
+// Q4_K calls with at least this many rows take the AMX kernel (0: never): its cost is
 // about flat from 1 to 16 rows, the VNNI kernels' grows with each row (measured on a Sapphire
 // Rapids core, the 1.5B model's weights, one thread: about even at 5 rows).
 int g_amx_min_rows = 5;
@@ -965,7 +1053,7 @@ int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX
 
 extern "C" {
 
-int spk_abi_version() { return 2; }
+int spk_abi_version() { return 3; }
 
 void spk_set_threads(int n) {
     std::lock_guard<std::mutex> lock(g_call_mu);
@@ -1004,16 +1092,14 @@ int spk_supports(int qtype, int64_t k) {
     return block_bytes(qtype) != 0 && k % block_values(qtype) == 0;
 }
 
-// y[m, n] (row stride n) = x[m, k] @ W^T where W holds n rows of k values in GGML type qtype.
-int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y) {
-    if (!spk_supports(qtype, k) || n <= 0 || m <= 0) return -1;
-    std::lock_guard<std::mutex> lock(g_call_mu);
+// The body of spk_linear; `prompt`: the rows take the prompt-row kernels (VNNI only).
+static int linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, bool prompt) {
     Pool& p = pool();
     const int bv = block_values(qtype);
     const int nb = (int)(k / bv);
     const size_t row_bytes = nb * block_bytes(qtype);
 #ifdef SPK_AMX
-    const bool amx = (qtype == T_Q4_K || qtype == T_Q6_K) && g_amx_min_rows > 0 && m >= g_amx_min_rows && amx_ok();
+    const bool amx = qtype == T_Q4_K && !prompt && g_amx_min_rows > 0 && m >= g_amx_min_rows && amx_ok();
 #else
     const bool amx = false;
 #endif
@@ -1036,7 +1122,7 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
     }
     auto quantize = [&](int64_t i) {
         if (amx)
-            quantize_q8k_row_amx(i < m ? x + i * k : nullptr, nb, qtype == T_Q4_K, i, a);
+            quantize_q8k_row_amx(i < m ? x + i * k : nullptr, nb, i, a);
         else if (bv == 256)
             quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
                              a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
@@ -1074,14 +1160,11 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
             const int64_t pf0 = std::min(w_bytes, r1 * (int64_t)row_bytes);
             const int64_t pf1 = std::min(w_bytes, (2 * r1 - r0) * (int64_t)row_bytes);
             const int g0 = (int)(a0 / 16), ng = (int)((a1 - a0 + 15) / 16);
-            if (qtype == T_Q4_K)
-                amx_chunk<BlockQ4K>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
-            else
-                amx_chunk<BlockQ6K>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
+            amx_chunk(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
             return;
         }
 #endif
-        if (a1 - a0 == 1) {  // decode: four weight rows at a time
+        if (a1 - a0 == 1 && !prompt) {  // decode: four weight rows at a time
             int64_t r = r0;
             for (; r + 4 <= r1; r += 4) {
                 const uint8_t* w4 = W + r * row_bytes;
@@ -1099,8 +1182,10 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
         }
         for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {
             const int nr = (int)std::min<int64_t>(NR_MAX, a1 - i0);
-            for (int64_t r = r0; r < r1; ++r)
-                dot_tile(nr, qtype, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
+            for (int64_t r = r0; r < r1; ++r) {
+                if (prompt) dot_tile_prompt(nr, qtype, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
+                else dot_tile(nr, qtype, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
+            }
         }
     };
     if (m <= ACT_TILE) {
@@ -1141,6 +1226,33 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
                 rows(chunk * ROW_CHUNK, std::min(n, (chunk + 1) * ROW_CHUNK), tile * ACT_TILE, std::min(m, (tile + 1) * ACT_TILE));
             }
         });
+    }
+    return 0;
+}
+
+// y[m, n] (row stride n) = x[m, k] @ W^T where W holds n rows of k values in GGML type qtype.
+int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y) {
+    if (!spk_supports(qtype, k) || n <= 0 || m <= 0) return -1;
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    return linear(qtype, weights, n, k, x, m, y, false);
+}
+
+// As spk_linear, with row i computed the way llama.cpp computes a prompt row where kind[i] says
+// so: bit 0, a Q4_K row in the whole groups of four of its prompt batch (llama.cpp's repacked
+// gemm; the other rows, and every decode row, take its gemv, which is spk_linear's); bit 1, a
+// Q6_K row of a prompt batch of eight rows or more (llama.cpp's tiled matmul).
+int spk_linear_prompt(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y,
+                      const uint8_t* kind) {
+    if (!spk_supports(qtype, k) || n <= 0 || m <= 0) return -1;
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    const int bit = qtype == T_Q4_K ? 1 : qtype == T_Q6_K ? 2 : 0;
+    if (bit == 0) return linear(qtype, weights, n, k, x, m, y, false);
+    for (int64_t a = 0; a < m;) {  // runs of rows of one kind
+        const bool prompt = (kind[a] & bit) != 0;
+        int64_t b = a + 1;
+        while (b < m && ((kind[b] & bit) != 0) == prompt) ++b;
+        linear(qtype, weights, n, k, x + a * k, b - a, y + a * n, prompt);
+        a = b;
     }
     return 0;
 }
