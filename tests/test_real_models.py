@@ -2,7 +2,8 @@
 
 Teacher-forced on llama.cpp's greedy completion, our top-1 token must equal llama.cpp's at >= 99%
 of the positions where llama.cpp's top-1 log-probability beats its top-2 by more than 0.5; greedy
-generation follows llama.cpp's first 32 tokens for each raw prompt up to a near-tie.
+generation gives llama.cpp's first 32 tokens for each raw prompt; fed the way llama-server feeds
+a model, the log-probabilities are llama.cpp's to the decimals its files keep.
 """
 import json
 
@@ -45,7 +46,6 @@ def test_teacher_forced_top1_agrees_with_llamacpp(model_name, ref_file):
 
 
 RAW = [(TARGET, "qwen2.5-coder-1.5b.raw.json"), (DRAFT, "qwen2.5-coder-0.5b.raw.json"), (GEMMA, "gemma-3-270m.raw.json")]
-NEAR_TIE = 0.25  # log-probability margin between llama.cpp's top two tokens
 
 
 GREEDY_CASES = [pytest.param(model, ref_file, ref["name"], id=f"{ref_file}:{ref['name']}")
@@ -53,13 +53,9 @@ GREEDY_CASES = [pytest.param(model, ref_file, ref["name"], id=f"{ref_file}:{ref[
 
 
 @pytest.mark.parametrize("model_name,ref_file,ref_name", GREEDY_CASES)
-def test_greedy_follows_llamacpp_until_a_near_tie(model_name, ref_file, ref_name):
-    """Greedy decoding equals llama.cpp's first 32 tokens, except that it may leave them at a
-    near-tie (llama.cpp's top-2 within NEAR_TIE of its top-1), and then only for llama.cpp's
-    second choice. The CPU backend follows llama.cpp's numerics (q8 activations, fp16 KV cache and
-    decode attention, see docs/architecture.md) but not its float summation order inside kernels,
-    so a near-tie can still go the other way (measured: 6 of 9 prompts equal for all 32 tokens, the
-    other 3 leave at margins 0.009-0.14)."""
+def test_greedy_reproduces_llamacpp_first_32_tokens(model_name, ref_file, ref_name):
+    """Greedy decoding gives llama.cpp's first 32 tokens exactly, near-ties included: the CPU
+    backend computes what llama.cpp's CPU backend computes, operation for operation."""
     model = load_cached(model_name)
     ref = next(r for r in references(ref_file) if r["name"] == ref_name)
     engine = Engine(model, EngineConfig(n_ctx=512))
@@ -68,8 +64,32 @@ def test_greedy_follows_llamacpp_until_a_near_tie(model_name, ref_file, ref_name
     diverge = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if diverge is not None:
         (top1, lp1), (top2, lp2) = ref["top_logprobs"][diverge][:2]
-        assert lp1 - lp2 < NEAR_TIE and got[diverge] == top2, (
-            f"{ref['name']}: left llama.cpp at token {diverge} (margin {lp1 - lp2:.3f}) for {got[diverge]}")
+        pytest.fail(f"{ref['name']}: left llama.cpp at token {diverge} (margin {lp1 - lp2:.3f}) for {got[diverge]}")
+
+
+# gemma-3-270m is held to the greedy test only: for two of its three prompts, llama-server's
+# log-probabilities (the reference files) differ from what llama.cpp's own llama_decode computes
+# for the same tokens in one batch (which ours equal bit for bit, compared tensor by tensor), by up
+# to 0.5; the greedy tokens agree. Where llama-server takes another path there is not known.
+@pytest.mark.parametrize("model_name,ref_file", RAW[:2], ids=[r[1] for r in RAW[:2]])
+def test_logprobs_are_llamacpp_when_fed_as_llamacpp_feeds(model_name, ref_file):
+    """Fed as llama-server feeds a model (the prompt in one batch, then one token at a time), the
+    gaps between our log-probabilities of llama.cpp's top-5 tokens are its gaps to the 4 decimals
+    its reference files keep (two roundings: 1e-4), at every one of the first 32 positions: the
+    logits are the same floats, not merely close. (Gaps, not the values: llama-server normalizes
+    over its sampler's candidates, not the whole vocabulary, which shifts every value alike.)"""
+    model = load_cached(model_name)
+    for ref in references(ref_file):
+        prompt, completion = ref["prompt_tokens"], ref["completion_tokens"][:32]
+        context = model.new_context(len(prompt) + len(completion))
+        rows = [Batch.for_sequence(0, 0, prompt, prompt_len=len(prompt))]
+        rows += [Batch.for_sequence(0, len(prompt) + i, [t], prompt_len=len(prompt)) for i, t in enumerate(completion[:-1])]
+        for i, batch in enumerate(rows):
+            logits = model.forward(batch, context).logits[-1].double()
+            (top, top_lp), *others = ref["top_logprobs"][i]
+            for token, lp in others:
+                gap = (logits[top] - logits[token]).item()
+                assert abs(gap - (top_lp - lp)) <= 1.0001e-4, (ref["name"], i, token, gap, top_lp - lp)
 
 
 def test_rows_do_not_depend_on_batch_size_real_model():
