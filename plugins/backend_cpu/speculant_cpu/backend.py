@@ -23,6 +23,10 @@ GROUP = 32
 PER_ROW_ATTENTION_MAX = 128
 # llama.cpp's default micro-batch (n_ubatch): the rows of a prompt it computes together.
 LLAMA_UBATCH = 512
+# From this many rows in a batch llama.cpp's attention takes a tiled float32 path we do not
+# reproduce, so a prompt batch that long cannot come out as llama.cpp's anyway: its rows take the
+# fast kernels (the prompt-row kernels run without AMX: three times slower on a long prompt).
+LLAMA_FA_TILE_Q = 64
 
 
 def _two_rows_at_least(matmul, x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +176,7 @@ class CpuBackend:
         with its prompt arithmetic. llama.cpp takes a prompt in batches of LLAMA_UBATCH rows; in a
         batch it computes Q4_K for the rows that fill whole groups of four with its gemm kernels
         (the rest with its gemv, which every decode row takes), and Q6_K with its tiled matmul when
-        the batch has eight rows or more. Which applies to a row follows from its position and its
+        the batch has eight rows or more. Only batches shorter than LLAMA_FA_TILE_Q are marked. Which applies to a row follows from its position and its
         sequence's prompt length alone, so plain decoding and speculation still compute every row
         the same way (spk_linear_prompt). `batch=None`: every row as a decode row.
 
@@ -183,8 +187,9 @@ class CpuBackend:
             for p, n in zip(batch.positions, batch.prompt_lens):
                 start = p - p % LLAMA_UBATCH
                 size = min(start + LLAMA_UBATCH, n) - start  # the rows of p's prompt batch
-                q4k_gemm = p < n and p < start + size // 4 * 4
-                q6k_tiled = p < n and size >= 8
+                exact = p < n and size < LLAMA_FA_TILE_Q
+                q4k_gemm = exact and p < start + size // 4 * 4
+                q6k_tiled = exact and size >= 8
                 flags.append(int(q4k_gemm) | 2 * int(q6k_tiled))
             if any(flags):
                 kinds = np.array(flags, np.uint8)
