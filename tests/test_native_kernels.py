@@ -192,6 +192,13 @@ def run_prompt(raw, qtype, n, k, x, kinds) -> torch.Tensor:
     return y
 
 
+def run_mode(raw, qtype, n, k, x, mode) -> torch.Tensor:
+    x = np.ascontiguousarray(x, np.float32)
+    y = torch.empty(x.shape[0], n)
+    assert lib.spk_linear_mode(int(qtype), raw.ctypes.data, n, k, x.ctypes.data, x.shape[0], y.data_ptr(), mode) == 0
+    return y
+
+
 def k_quant_case(qtype, n, k):
     rng = np.random.default_rng(k + n)
     raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
@@ -344,3 +351,25 @@ def test_vector_exp_has_the_bits_of_libm_expf():
     assert lib.spk_exp_check(0x80000000, 0xC2D00000, 101) == 0  # [-104, -0], every 101st float
     assert lib.spk_exp_check(0xC2D00000, 0xFF800000, 100003) == 0  # below -104, to -inf: 0
     assert lib.spk_exp_check(0x00000000, 0x42B17217, 1009) == 0  # [0, 88.72]
+
+
+@pytest.mark.parametrize("n,k", [(45, 1536), (19, 8960)])
+def test_q6k_canonical_rows_are_row_invariant_on_both_paths(n, k, amx_min_rows):
+    """Kind bit 2 (rows past llama.cpp's split-attention point): Q6_K through the canonical
+    epilogue, which the AMX kernel shares; a row's bits do not depend on the rows beside it or
+    on the path, and the value is the float64 product to float32 accuracy."""
+    raw, x = k_quant_case(Q.Q6_K, n, k)
+    amx_min_rows(0)
+    alone = torch.cat([run_mode(raw, Q.Q6_K, n, k, x[i : i + 1], 2) for i in range(len(x))])
+    weights = dequantize(raw, Q.Q6_K, (n, k)).double().numpy()
+    expected = np.stack([q8k_reference(r) for r in x]) @ weights.T
+    assert np.abs(alone.numpy() - expected).max() <= 4e-6 * np.abs(expected).max()
+    for threshold in (0, 1, 4):
+        amx_min_rows(threshold)
+        for m in (1, 3, 4, 8, 9, 16, 17, 70):
+            assert torch.equal(run_mode(raw, Q.Q6_K, n, k, x[:m], 2), alone[:m]), f"{m} rows, AMX from {threshold} rows"
+    kinds = np.where(np.arange(len(x)) % 3 == 0, 4, 0).astype(np.uint8)  # mixed with llama.cpp-decode rows
+    mixed = run_prompt(raw, Q.Q6_K, n, k, x, kinds)
+    canon = torch.from_numpy(kinds == 4)
+    assert torch.equal(mixed[canon], alone[canon])
+    assert torch.equal(mixed[~canon], run(raw, Q.Q6_K, n, k, x)[~canon])

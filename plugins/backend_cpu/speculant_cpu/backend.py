@@ -27,6 +27,9 @@ LLAMA_UBATCH = 512
 # reproduce, so a prompt batch that long cannot come out as llama.cpp's anyway: its rows take the
 # fast kernels (the prompt-row kernels run without AMX: three times slower on a long prompt).
 LLAMA_FA_TILE_Q = 64
+# From this position on, llama.cpp's decode attention splits the keys between threads (its key
+# count is padded to a multiple of 256 and split from 512), which we do not reproduce either.
+LLAMA_SPLIT_KV = 256
 
 
 def _two_rows_at_least(matmul, x: torch.Tensor) -> torch.Tensor:
@@ -74,8 +77,8 @@ class NativeLinear:
     """y = x @ W.T (+ b) by the native fused kernels, W read in its GGUF format straight from the
     file's memory map (no copy: resident memory stays about the size of the file). x is quantized
     per call to 8 bits as llama.cpp does (Q8_K or Q8_0), and the arithmetic is llama.cpp's, so the
-    results are its results. Prompt rows (the backend's `batch` scope says which) take the
-    arithmetic llama.cpp uses for a prompt where that differs (Q4_K)."""
+    results are its results. The backend's `batch` scope says how each row is computed (prompt
+    rows take the arithmetic llama.cpp uses for a prompt)."""
 
     uses_mapping = True  # the loader must not release this tensor's pages
 
@@ -91,10 +94,13 @@ class NativeLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        gemm = self.backend.gemm_rows
-        if gemm is not None and len(gemm) == x.shape[0]:
+        mode = self.backend.row_mode(self.qtype, x.shape[0])
+        if mode is None:  # rows of different kinds
             failed = self.lib.spk_linear_prompt(self.qtype, self.ptr, self.out_features, self.in_features, x.data_ptr(),
-                                                x.shape[0], y.data_ptr(), gemm.ctypes.data)
+                                                x.shape[0], y.data_ptr(), self.backend.row_kinds_ptr)
+        elif mode:
+            failed = self.lib.spk_linear_mode(self.qtype, self.ptr, self.out_features, self.in_features, x.data_ptr(),
+                                              x.shape[0], y.data_ptr(), mode)
         else:
             failed = self.lib.spk_linear(self.qtype, self.ptr, self.out_features, self.in_features, x.data_ptr(), x.shape[0], y.data_ptr())
         if failed:
@@ -148,7 +154,9 @@ class CpuBackend:
             use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
         self.native = native.load() if use_native else None
         self._gelu_table: torch.Tensor | None = None
-        self.gemm_rows: np.ndarray | None = None  # set inside `batch`: rows computed as llama.cpp computes a prompt
+        self.row_kinds: np.ndarray | None = None  # set inside `batch`: how each row is computed
+        self.row_kinds_ptr: int | None = None
+        self._modes: dict[int, int | None] = {}
         if use_native and self.native is None:
             _warn_once(f"native CPU kernels unavailable ({native.why_unavailable()}); using torch's kernels, which are slower")
         # An fp16 cache, as llama.cpp keeps by default: half the memory, and its rounding.
@@ -171,33 +179,54 @@ class CpuBackend:
         return DenseLinear(weight, b)
 
     @contextlib.contextmanager
-    def batch(self, batch):
-        """A forward's layers run inside this scope: it marks the rows that llama.cpp would compute
-        with its prompt arithmetic. llama.cpp takes a prompt in batches of LLAMA_UBATCH rows; in a
+    def batch(self, batch, prompt: bool = True):
+        """A forward's layers run inside this scope: it says how each row's linear layers are
+        computed (spk_linear_prompt). llama.cpp takes a prompt in batches of LLAMA_UBATCH rows; in a
         batch it computes Q4_K for the rows that fill whole groups of four with its gemm kernels
         (the rest with its gemv, which every decode row takes), and Q6_K with its tiled matmul when
-        the batch has eight rows or more. Only batches shorter than LLAMA_FA_TILE_Q are marked. Which applies to a row follows from its position and its
-        sequence's prompt length alone, so plain decoding and speculation still compute every row
-        the same way (spk_linear_prompt). `batch=None`: every row as a decode row.
+        the batch has eight rows or more: so do we, for prompt batches shorter than
+        LLAMA_FA_TILE_Q. Where llama.cpp's result cannot be had anyway (longer prompt batches, and
+        rows past LLAMA_SPLIT_KV), Q6_K takes the kernels that AMX can run.
 
-        Scopes nest: the previous marking comes back when an inner scope ends."""
+        Which applies to a row follows from its position and its sequence's prompt length alone,
+        so plain decoding and speculation compute every row the same way. `prompt=False`: every
+        row as a decode row (llama.cpp's last layer computes its FFN for the rows that want logits
+        only). Scopes nest: the previous marking comes back when an inner scope ends."""
         kinds = None
-        if self.native is not None and batch is not None and batch.prompt_lens:
+        if self.native is not None:
+            lens = batch.prompt_lens or (0,) * len(batch)
             flags = []
-            for p, n in zip(batch.positions, batch.prompt_lens):
-                start = p - p % LLAMA_UBATCH
-                size = min(start + LLAMA_UBATCH, n) - start  # the rows of p's prompt batch
-                exact = p < n and size < LLAMA_FA_TILE_Q
-                q4k_gemm = exact and p < start + size // 4 * 4
-                q6k_tiled = exact and size >= 8
-                flags.append(int(q4k_gemm) | 2 * int(q6k_tiled))
+            for p, n in zip(batch.positions, lens):
+                kind = 4 if p >= LLAMA_SPLIT_KV else 0
+                if prompt and p < n:
+                    start = p - p % LLAMA_UBATCH
+                    size = min(start + LLAMA_UBATCH, n) - start  # the rows of p's prompt batch
+                    if size < LLAMA_FA_TILE_Q:
+                        kind |= int(p < start + size // 4 * 4) | 2 * int(size >= 8)
+                    else:
+                        kind = 4
+                flags.append(kind)
             if any(flags):
                 kinds = np.array(flags, np.uint8)
-        outer, self.gemm_rows = self.gemm_rows, kinds
+        outer = self.row_kinds, self.row_kinds_ptr, self._modes
+        self.row_kinds = kinds
+        self.row_kinds_ptr = kinds.ctypes.data if kinds is not None else None
+        self._modes = {}
+        if kinds is not None:  # per type: the one mode of every row, or None where they differ
+            for qtype, modes in ((int(Q.Q4_K), kinds & 1), (int(Q.Q6_K), np.where(kinds & 2, 1, np.where(kinds & 4, 2, 0)))):
+                self._modes[qtype] = int(modes[0]) if (modes == modes[0]).all() else None
         try:
             yield
         finally:
-            self.gemm_rows = outer
+            self.row_kinds, self.row_kinds_ptr, self._modes = outer
+
+    def row_mode(self, qtype: int, rows: int) -> int | None:
+        """The kernel mode of spk_linear_mode for a call of `rows` rows inside the current `batch`
+        scope: 0 (llama.cpp's decode arithmetic) outside one or for rows another matrix
+        (the output head takes only the rows that want logits), None where its rows differ."""
+        if self.row_kinds is None or rows != len(self.row_kinds):
+            return 0
+        return self._modes.get(qtype, 0)
 
     # With the native library, the element-wise pieces below are llama.cpp's CPU arithmetic bit for
     # bit (elementwise.cpp), like the linear layers and attention: a forward's logits are then

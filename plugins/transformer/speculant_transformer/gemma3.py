@@ -130,7 +130,7 @@ class Gemma3Model(DecoderModel):
                 x = x + rms_norm(blk.wo(attn.reshape(rows, c.n_head * c.head_dim)), blk.post_attn_norm, c.eps)
 
                 h = rms_norm(x, blk.ffn_norm, c.eps)
-                with batch_scope(self.backend, None if i == c.n_layers - 1 else batch):
+                with batch_scope(self.backend, batch, prompt=i < c.n_layers - 1):
                     h = blk.w_down(gelu(blk.w_gate(h)) * blk.w_up(h))
                 x = x + rms_norm(h, blk.post_ffn_norm, c.eps)
                 if i in hidden_layers:

@@ -24,13 +24,13 @@ def rope_tables(positions: torch.Tensor, head_dim: int, base: float, scale: floa
     return angles.cos().float(), angles.sin().float()
 
 
-def batch_scope(backend, batch: Batch | None):
-    """The backend's `batch(batch)` scope around a forward's layers, where it has one (the CPU
-    backend computes prompt rows as llama.cpp does there). The last layer's FFN goes in a nested
-    `batch_scope(backend, None)`: llama.cpp keeps only the rows that want logits from there on,
+def batch_scope(backend, batch: Batch, prompt: bool = True):
+    """The backend's `batch(batch, prompt)` scope around a forward's layers, where it has one (the
+    CPU backend computes prompt rows as llama.cpp does there). The last layer's FFN goes in a
+    nested scope with prompt=False: llama.cpp keeps only the rows that want logits from there on,
     so their FFN is computed as decode rows are."""
     scope = getattr(backend, "batch", None)
-    return scope(batch) if scope is not None else contextlib.nullcontext()
+    return scope(batch, prompt) if scope is not None else contextlib.nullcontext()
 
 
 def rope_fn(backend):

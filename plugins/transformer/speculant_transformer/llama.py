@@ -118,7 +118,7 @@ class LlamaModel(DecoderModel):
                 x = x + blk.wo(attn.reshape(rows, c.n_head * c.head_dim))
 
                 h = rms_norm(x, blk.ffn_norm, c.eps)
-                with batch_scope(self.backend, None if i == c.n_layers - 1 else batch):
+                with batch_scope(self.backend, batch, prompt=i < c.n_layers - 1):
                     x = x + blk.w_down(swiglu(blk.w_gate(h), blk.w_up(h)))
                 if i in hidden_layers:
                     hidden[i] = x

@@ -79,6 +79,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.spk_linear.restype = ctypes.c_int
     lib.spk_linear_prompt.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr]
     lib.spk_linear_prompt.restype = ctypes.c_int
+    lib.spk_linear_mode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.spk_linear_mode.restype = ctypes.c_int
     lib.spk_prefault.argtypes = [ptr, i64]
     c_int, c_float = ctypes.c_int, ctypes.c_float
     lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr, c_int]

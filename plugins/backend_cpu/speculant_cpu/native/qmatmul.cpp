@@ -14,7 +14,8 @@
 // activation row, 256-block), the same EXACT integers
 //   Q4_K: isum = sum_j sc_j * (sum_{i in sub-block j} q_i x_i),  msum = sum_j min_j * bsum32_j
 // and then the one canonical fp32 epilogue below (epilogue_q4k), in block order, lane-wise: 4
-// activation rows per xmm in the VNNI kernels, 16 per zmm in the AMX kernel. Q6_K has one path.
+// activation rows per xmm in the VNNI kernels, 16 per zmm in the AMX kernel. Q6_K in llama.cpp's
+// arithmetic has the VNNI path only; its canonical form (spk_linear_mode 2) has both.
 //
 // The fp32 arithmetic is llama.cpp's, operation for operation, as its x86 CPU backend runs these
 // types (AVX2 and up; checked against its tensors): Q4_K as its repacked 8x8 gemv/gemm (two FMA
@@ -83,7 +84,8 @@ struct Act {
     // AMX layout (Q8_K only): groups of 16 rows, the last one padded with zero rows.
     std::vector<int8_t> bt;     // [group, nb, 64, 16, 4]: a tile B per block (value v of row i at [v/4][i][v%4])
     std::vector<float> dt;      // [group, nb, 16]: scales, lane = row in the group
-    std::vector<int32_t> bp;    // [group, nb, 64]: int16 pairs of the sums of each 32 values [4][16]
+    std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of the sums of each 32 values [4][16];
+                                //                  Q6_K: the sums of all 256 values [16]
 };
 
 // llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude (the first
@@ -152,9 +154,9 @@ void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float*
 
 inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
 
-// AMX layout: row i of the call goes to lane i % 16 of group i / 16 (values in q4k_order, the
-// order of the weight planes). x == nullptr: a zero row.
-void quantize_q8k_row_amx(const float* x, int nb, int64_t i, Act& a) {
+// AMX layout: row i of the call goes to lane i % 16 of group i / 16 (values in q4k_order for
+// Q4_K, natural for Q6_K: the order of the weight planes). x == nullptr: a zero row.
+void quantize_q8k_row_amx(const float* x, int nb, bool q4k, int64_t i, Act& a) {
     const int64_t g = i / 16;
     const int lane = (int)(i % 16);
     for (int b = 0; b < nb; ++b) {
@@ -168,12 +170,18 @@ void quantize_q8k_row_amx(const float* x, int nb, int64_t i, Act& a) {
         for (int v = 0; v < 64; ++v) {
             // q4k_order: within each 128 values, the 32-value segments in the order 0, 2, 1, 3
             const int w = v % 32, seg = w / 8;
-            const int src = (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8;
+            const int src = q4k ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
             std::memcpy(bt + 64 * v, q + 4 * src, 4);
         }
         a.dt[gb * 16 + lane] = d;
         int32_t* bp = a.bp.data() + gb * 64 + lane;
-        for (int p = 0; p < 4; ++p) bp[16 * p] = pair16(bs32[2 * p], bs32[2 * p + 1]);
+        if (q4k) {
+            for (int p = 0; p < 4; ++p) bp[16 * p] = pair16(bs32[2 * p], bs32[2 * p + 1]);
+        } else {
+            int s = 0;
+            for (int j = 0; j < 16; ++j) s += bs16[j];
+            bp[0] = s;
+        }
     }
 }
 
@@ -213,6 +221,14 @@ inline void epilogue_q4k(__m128& acc, __m128& macc, __m128 d, __m128 dmin, __m12
 inline __m256 epilogue_q6k(__m256 acc, float d_dx, __m512i v) {
     const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
     return _mm256_fmadd_ps(_mm256_set1_ps(d_dx), _mm256_cvtepi32_ps(sum), acc);
+}
+// Q6_K past LLAMA_SPLIT_KV (see spk_linear_prompt): one sum per block, acc + (d * dx) * isum,
+// the same operations lane-wise in the VNNI and AMX kernels.
+inline __m128 epilogue_q6k_canon(__m128 acc, __m128 d, __m128 dx, __m128i isum) {
+    return _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(isum)));
+}
+inline __m512 epilogue_q6k_canon(__m512 acc, __m512 d, __m512 dx, __m512i isum) {
+    return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)));
 }
 // llama.cpp's hsum_float_8: (a0 + a4) + (a2 + a6) + ((a1 + a5) + (a3 + a7)).
 inline float hsum8(__m256 v) {
@@ -484,6 +500,83 @@ void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t 
     for (int i = 0; i < NR; ++i) y[i * ldy] = hsum8(s[i]);
 }
 
+// Q6_K rows past LLAMA_SPLIT_KV: the canonical epilogue, four rows per xmm (the AMX kernel's lanes).
+template <int NR>
+void dot_q6k_canon(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    constexpr int NG = (NR + 3) / 4;
+    __m128 s[NG];
+    for (int g = 0; g < NG; ++g) s[g] = _mm_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const BlockQ6K& blk = w[b];
+        prefetch(&blk, sizeof(BlockQ6K));
+        const float d = f16(blk.d);
+        __m512i q[4];
+        q6k_values(blk, q);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
+        const __m512i sc16z = _mm512_castsi256_si512(sc16);
+        __m512i sg[4];
+        for (int g = 0; g < 4; ++g) sg[g] = _mm512_permutexvar_epi16(Q6.idx[g], sc16z);
+        for (int g = 0; g < NG; ++g) {
+            __m512i acc[4];
+            float dx[4];
+            for (int t = 0; t < 4; ++t) {
+                const int i = 4 * g + t;
+                if (i >= NR) {
+                    acc[t] = _mm512_setzero_si512();
+                    dx[t] = 0.f;
+                    continue;
+                }
+                const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
+                const int8_t* xq = a.qs.data() + ab * 256;
+                __m512i x[4];
+                load_x4(xq, x);
+                const __m512i v = scaled_dot4(q, sg, x);
+                // The stored values are q + 32: subtract 32 * sum_g scale_g * sum(x in group g).
+                const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
+                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+                acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
+                dx[t] = a.d[ab];
+            }
+            s[g] = epilogue_q6k_canon(s[g], _mm_set1_ps(d), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc));
+        }
+    }
+    for (int i = 0; i < NR; ++i) {
+        alignas(16) float out[4];
+        _mm_store_ps(out, s[i / 4]);
+        y[i * ldy] = out[i % 4];
+    }
+}
+
+
+void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
+    __m128 s = _mm_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const int64_t ab = (int64_t)i * a.nb + b;
+        const int8_t* xq = a.qs.data() + ab * 256;
+        __m512i x[4];
+        load_x4(xq, x);
+        const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
+        __m512i acc[4];
+        float d[4];
+        for (int t = 0; t < 4; ++t) {
+            const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
+            prefetch(&blk, sizeof(BlockQ6K));
+            d[t] = f16(blk.d);
+            __m512i q[4];
+            q6k_values(blk, q);
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
+            const __m512i sc16z = _mm512_castsi256_si512(sc16);
+            const __m512i sg[4] = {_mm512_permutexvar_epi16(Q6.idx[0], sc16z), _mm512_permutexvar_epi16(Q6.idx[1], sc16z),
+                                   _mm512_permutexvar_epi16(Q6.idx[2], sc16z), _mm512_permutexvar_epi16(Q6.idx[3], sc16z)};
+            const __m512i v = scaled_dot4(q, sg, x);
+            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+            acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
+        }
+        s = epilogue_q6k_canon(s, _mm_loadu_ps(d), _mm_set1_ps(a.d[ab]), hsum4(acc));
+    }
+    _mm_storeu_ps(y, s);
+}
+
 // Prompt rows, as llama.cpp's tiled K-quant matmul computes Q6_K for a prompt batch of eight
 // rows or more: one integer sum per block, then acc = fma((float)isum * d, dx, acc).
 template <int NR>
@@ -625,7 +718,7 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
 }
 
 // ---------------------------------------------------------------------------------------------
-// AMX-INT8 kernel for Q4_K: 16 weight rows (tile A, u8) against 16 activation rows (tile B, s8, in
+// AMX-INT8 kernel: 16 weight rows (tile A, u8) against 16 activation rows (tile B, s8, in
 // the VNNI layout B[v/4][row][v%4]), full K = 64 per TDPBUSD. The sub-block scales go into the
 // weights themselves, split into two byte planes so the products stay u8, and the two planes'
 // exact sums recombine in int32: sc = 8*hi + lo (hi, lo <= 7), plane1 = hi*q, plane2 = lo*q
@@ -633,8 +726,11 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
 // Range: C <= 256*105*127 = 3.4M: int32. Then the canonical epilogue, lane-wise over the
 // activation rows.
 //
-// Q6_K has no AMX path: llama.cpp's arithmetic keeps eight partial sums per block, each over a
-// strided eighth of the values, and a K = 64 tile product mixes them.
+// Q6_K runs here only in its canonical form (one sum per block): llama.cpp's arithmetic keeps
+// eight partial sums per block, each over a strided eighth of the values, which a K = 64 tile
+// product mixes. The canonical form: p = sc*(q - 32) + 4096 in [32, 8192], plane1 = p & 255,
+// plane2 = p >> 8 (<= 32): isum = C1 + 256*C2 - 4096*bsum256; C1 <= 256*255*127 = 8.3M,
+// 256*C2 <= 266M, 4096*|bsum256| <= 133M: int32.
 
 bool amx_ok() {
     static const bool ok = [] {
@@ -736,9 +832,29 @@ inline void amx_decode_q4k(const uint8_t* W, size_t row_bytes, int b, int r0, in
     }
 }
 
+// Q6_K: one weight row's block into the two planes (natural order) and dd = (d, 0).
+inline void amx_decode_q6k(const BlockQ6K& blk, uint8_t* P1, uint8_t* P2, float* dd) {
+    __m512i q[4];
+    q6k_values(blk, q);
+    const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales)));
+    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
+    for (int z = 0; z < 4; ++z) {
+        const __m512i s = _mm512_permutexvar_epi16(Q6.idx[z], sc);  // int16 scale of each byte pair
+        const __m512i k = _mm512_sub_epi16(_mm512_set1_epi16(4096), _mm512_slli_epi16(s, 5));
+        // sc * q of the even / odd bytes as int16 (one product per pair: exact), then + 4096 - 32 sc
+        const __m512i pe = _mm512_add_epi16(_mm512_maddubs_epi16(q[z], _mm512_and_si512(s, _mm512_set1_epi16(0xFF))), k);
+        const __m512i po = _mm512_add_epi16(_mm512_maddubs_epi16(q[z], _mm512_slli_epi16(s, 8)), k);
+        _mm512_store_si512(P1 + 64 * z, _mm512_mask_blend_epi8(odd, pe, _mm512_slli_epi16(po, 8)));
+        _mm512_store_si512(P2 + 64 * z, _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(pe, 8), po));
+    }
+    dd[0] = f16(blk.d);
+    dd[1] = 0.f;
+}
+
 // Weight rows [0, nr) (nr <= 16) of a chunk against activation groups g0 .. g0 + ng - 1; the
 // result for activation row i (i0 <= i < i1) goes to y[i * ldy + r]. [pf, pf + pf_bytes): the
 // next chunk, prefetched a little at a time while this one is computed.
+template <bool Q4>
 void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int g0, int ng, int64_t i0, int64_t i1,
                float* y, int64_t ldy, const uint8_t* pf, int64_t pf_bytes) {
     alignas(64) uint8_t P1[2][16 * 256], P2[2][16 * 256];  // double-buffered: block b+1 is decoded while b's tiles run
@@ -769,9 +885,16 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
         for (; pf_cur < e; pf_cur += 64) _mm_prefetch(pf_cur, _MM_HINT_T1);
     };
     auto decode = [&](int b, int u) {  // prefetches shares 16..48
-        for (int r0 = 0; r0 < nr; r0 += 4) {
-            prefetch_to(16 + 8 * (r0 / 4 + 1));
-            amx_decode_q4k(W, row_bytes, b, r0, nr, P1[u], P2[u], mins[u], dd[u]);
+        if constexpr (Q4) {
+            for (int r0 = 0; r0 < nr; r0 += 4) {
+                prefetch_to(16 + 8 * (r0 / 4 + 1));
+                amx_decode_q4k(W, row_bytes, b, r0, nr, P1[u], P2[u], mins[u], dd[u]);
+            }
+        } else {
+            for (int r = 0; r < nr; ++r) {
+                prefetch_to(16 + 2 * (r + 1));
+                amx_decode_q6k(((const BlockQ6K*)(W + r * row_bytes))[b], P1[u] + 256 * r, P2[u] + 256 * r, dd[u][r]);
+            }
         }
     };
     decode(0, 0);
@@ -809,6 +932,15 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
             _tile_stored(1, C2, 64);
             if (g == 0 && b + 1 < nb) decode(b + 1, u ^ 1);  // vector work while the tiles run
             const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
+            if constexpr (!Q4) {
+                const __m512i bsum = _mm512_slli_epi32(_mm512_loadu_si512(a.bp.data() + gb * 64), 12);
+                for (int r = 0; r < nr; ++r) {
+                    if (g == 0) prefetch_to(48 + r + 1);
+                    const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_load_si512(C1[r]), _mm512_slli_epi32(_mm512_load_si512(C2[r]), 8)), bsum);
+                    _mm512_store_ps(acc[g][r], epilogue_q6k_canon(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(dd[u][r][0]), dx, isum));
+                }
+                continue;
+            }
             const int32_t* bp = a.bp.data() + gb * 64;
             const __m512i bp0 = _mm512_loadu_si512(bp), bp1 = _mm512_loadu_si512(bp + 16);
             const __m512i bp2 = _mm512_loadu_si512(bp + 32), bp3 = _mm512_loadu_si512(bp + 48);
@@ -832,7 +964,7 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
         for (int lane = 0; lane < 16; ++lane) {
             const int64_t i = (int64_t)(g0 + g) * 16 + lane;
             if (i < i0 || i >= i1) continue;
-            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane] - macc[g][r][lane];
+            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane] - macc[g][r][lane];  // Q6_K: macc stays 0
         }
 }
 
@@ -1028,6 +1160,20 @@ void dot_tile_prompt(int nr, int qtype, const uint8_t* row, int nb, const Act& a
     }
 }
 
+void dot_tile_canon(int nr, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    const BlockQ6K* w = (const BlockQ6K*)row;
+    switch (nr) {
+        case 1: dot_q6k_canon<1>(w, nb, a, i0, y, ldy); break;
+        case 2: dot_q6k_canon<2>(w, nb, a, i0, y, ldy); break;
+        case 3: dot_q6k_canon<3>(w, nb, a, i0, y, ldy); break;
+        case 4: dot_q6k_canon<4>(w, nb, a, i0, y, ldy); break;
+        case 5: dot_q6k_canon<5>(w, nb, a, i0, y, ldy); break;
+        case 6: dot_q6k_canon<6>(w, nb, a, i0, y, ldy); break;
+        case 7: dot_q6k_canon<7>(w, nb, a, i0, y, ldy); break;
+        default: dot_q6k_canon<8>(w, nb, a, i0, y, ldy); break;
+    }
+}
+
 size_t block_bytes(int qtype) {
     switch (qtype) {
         case T_Q4_K: return sizeof(BlockQ4K);
@@ -1092,14 +1238,18 @@ int spk_supports(int qtype, int64_t k) {
     return block_bytes(qtype) != 0 && k % block_values(qtype) == 0;
 }
 
-// The body of spk_linear; `prompt`: the rows take the prompt-row kernels (VNNI only).
-static int linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, bool prompt) {
+// How a call's rows are computed (spk_linear_prompt).
+enum Mode { LLAMA_DECODE = 0, LLAMA_PROMPT = 1, Q6K_CANON = 2 };
+
+// The body of spk_linear and spk_linear_prompt.
+static int linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, Mode mode) {
+    const bool prompt = mode == LLAMA_PROMPT, canon = mode == Q6K_CANON && qtype == T_Q6_K;
     Pool& p = pool();
     const int bv = block_values(qtype);
     const int nb = (int)(k / bv);
     const size_t row_bytes = nb * block_bytes(qtype);
 #ifdef SPK_AMX
-    const bool amx = qtype == T_Q4_K && !prompt && g_amx_min_rows > 0 && m >= g_amx_min_rows && amx_ok();
+    const bool amx = ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_amx_min_rows > 0 && m >= g_amx_min_rows && amx_ok();
 #else
     const bool amx = false;
 #endif
@@ -1122,7 +1272,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     }
     auto quantize = [&](int64_t i) {
         if (amx)
-            quantize_q8k_row_amx(i < m ? x + i * k : nullptr, nb, i, a);
+            quantize_q8k_row_amx(i < m ? x + i * k : nullptr, nb, qtype == T_Q4_K, i, a);
         else if (bv == 256)
             quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
                              a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
@@ -1160,7 +1310,10 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             const int64_t pf0 = std::min(w_bytes, r1 * (int64_t)row_bytes);
             const int64_t pf1 = std::min(w_bytes, (2 * r1 - r0) * (int64_t)row_bytes);
             const int g0 = (int)(a0 / 16), ng = (int)((a1 - a0 + 15) / 16);
-            amx_chunk(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
+            if (qtype == T_Q4_K)
+                amx_chunk<true>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
+            else
+                amx_chunk<false>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
             return;
         }
 #endif
@@ -1171,19 +1324,26 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
                 float* y4 = y + a0 * n + r;
                 switch (qtype) {
                     case T_Q4_K: dot_q4k_w4(w4, row_bytes, nb, a, (int)a0, y4); break;
-                    case T_Q6_K: dot_q6k_w4(w4, row_bytes, nb, a, (int)a0, y4); break;
+                    case T_Q6_K:
+                        if (canon) dot_q6k_canon_w4(w4, row_bytes, nb, a, (int)a0, y4);
+                        else dot_q6k_w4(w4, row_bytes, nb, a, (int)a0, y4);
+                        break;
                     case T_Q8_0: dot_b32_w4<BlockQ8_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
                     case T_Q5_0: dot_b32_w4<BlockQ5_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
                     case T_Q4_0: dot_b32_w4<BlockQ4_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
                 }
             }
-            for (; r < r1; ++r) dot_tile(1, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+            for (; r < r1; ++r) {
+                if (canon) dot_tile_canon(1, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+                else dot_tile(1, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+            }
             return;
         }
         for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {
             const int nr = (int)std::min<int64_t>(NR_MAX, a1 - i0);
             for (int64_t r = r0; r < r1; ++r) {
                 if (prompt) dot_tile_prompt(nr, qtype, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
+                else if (canon) dot_tile_canon(nr, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
                 else dot_tile(nr, qtype, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
             }
         }
@@ -1234,24 +1394,40 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
 int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y) {
     if (!spk_supports(qtype, k) || n <= 0 || m <= 0) return -1;
     std::lock_guard<std::mutex> lock(g_call_mu);
-    return linear(qtype, weights, n, k, x, m, y, false);
+    return linear(qtype, weights, n, k, x, m, y, LLAMA_DECODE);
 }
 
-// As spk_linear, with row i computed the way llama.cpp computes a prompt row where kind[i] says
-// so: bit 0, a Q4_K row in the whole groups of four of its prompt batch (llama.cpp's repacked
-// gemm; the other rows, and every decode row, take its gemv, which is spk_linear's); bit 1, a
-// Q6_K row of a prompt batch of eight rows or more (llama.cpp's tiled matmul).
+// As spk_linear, every row computed the one way `mode` says (0: llama.cpp's decode arithmetic,
+// 1: its prompt arithmetic, 2: Q6_K's canonical epilogue; see spk_linear_prompt).
+int spk_linear_mode(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, int mode) {
+    if (!spk_supports(qtype, k) || n <= 0 || m <= 0 || mode < 0 || mode > 2) return -1;
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    return linear(qtype, weights, n, k, x, m, y, (Mode)mode);
+}
+
+// As spk_linear, with row i computed as kind[i] says:
+//   bit 0: a Q4_K row in the whole groups of four of a llama.cpp prompt batch (its repacked gemm;
+//          the other rows, and every decode row, take its gemv, which is spk_linear's);
+//   bit 1: a Q6_K row of a llama.cpp prompt batch of eight rows or more (its tiled matmul);
+//   bit 2: a Q6_K row where llama.cpp's own arithmetic is not reproduced anyway (past
+//          LLAMA_SPLIT_KV cached tokens, see backend.py): the canonical epilogue, which the AMX
+//          kernel shares, instead of llama.cpp's eight lane chains, which it cannot do.
+// The kind of a row must follow from the row alone (its position, its prompt), so that a row
+// computes the same with any other rows.
 int spk_linear_prompt(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                       const uint8_t* kind) {
     if (!spk_supports(qtype, k) || n <= 0 || m <= 0) return -1;
     std::lock_guard<std::mutex> lock(g_call_mu);
-    const int bit = qtype == T_Q4_K ? 1 : qtype == T_Q6_K ? 2 : 0;
-    if (bit == 0) return linear(qtype, weights, n, k, x, m, y, false);
+    if (qtype != T_Q4_K && qtype != T_Q6_K) return linear(qtype, weights, n, k, x, m, y, LLAMA_DECODE);
+    auto mode_of = [&](uint8_t kd) {
+        if (qtype == T_Q4_K) return (kd & 1) ? LLAMA_PROMPT : LLAMA_DECODE;
+        return (kd & 2) ? LLAMA_PROMPT : (kd & 4) ? Q6K_CANON : LLAMA_DECODE;
+    };
     for (int64_t a = 0; a < m;) {  // runs of rows of one kind
-        const bool prompt = (kind[a] & bit) != 0;
+        const Mode mode = mode_of(kind[a]);
         int64_t b = a + 1;
-        while (b < m && ((kind[b] & bit) != 0) == prompt) ++b;
-        linear(qtype, weights, n, k, x + a * k, b - a, y + a * n, prompt);
+        while (b < m && mode_of(kind[b]) == mode) ++b;
+        linear(qtype, weights, n, k, x + a * k, b - a, y + a * n, mode);
         a = b;
     }
     return 0;
