@@ -153,6 +153,8 @@ class CpuBackend:
         if use_native is None:
             use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
         self.native = native.load() if use_native else None
+        if self.native is not None:
+            self.rms_norm, self.apply_rope = self._native_rms_norm, self._native_apply_rope
         self._gelu_table: torch.Tensor | None = None
         self.row_kinds: np.ndarray | None = None  # set inside `batch`: how each row is computed
         self.row_kinds_ptr: int | None = None
@@ -252,6 +254,25 @@ class CpuBackend:
         out = torch.empty_like(gate)
         self.native.spk_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.shape[0], gate.shape[-1])
         return out
+
+    # rms_norm and apply_rope are offered only with the native library (set in __init__); without
+    # it the architectures' own torch versions, which do the same arithmetic, take over.
+
+    def _native_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm times the weight over the last dimension in one native call (the sum of squares
+        in double, in order, as llama.cpp sums it)."""
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        self.native.spk_rms_norm(x.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+        return out
+
+    def _native_apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+        """Rotate x [rows, heads, head_dim] in place, with llama.cpp's FMAs."""
+        x = x.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        self.native.spk_rope_apply(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2], int(neox))
+        return x
 
     def rope_tables(self, positions: torch.Tensor, head_dim: int, base: float, scale: float = 1.0):
         """cos, sin [rows, head_dim / 2]; natively with the angle chained in float and libm's

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from speculant import Batch, ForwardOutput, KVCache
 from speculant.gguf.tokenizer import Tokenizer
 
-from speculant_transformer.layers import DecoderModel, apply_rope, attend, batch_scope, commit, reserve, rms_norm, rope_fn
+from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, norm_fn, reserve, rope_fn, rotate_fn
 from speculant_transformer.loading import WeightLoader, model_info, require
 
 SWA_PATTERN = 6  # layers i with (i + 1) % 6 != 0 use the sliding window
@@ -104,6 +104,7 @@ class Gemma3Model(DecoderModel):
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         c = self.config
+        norm, rotate = norm_fn(self.backend), rotate_fn(self.backend)
         groups = reserve(batch, cache)
         positions = torch.tensor(batch.positions)
         rope_tables = rope_fn(self.backend)
@@ -118,21 +119,21 @@ class Gemma3Model(DecoderModel):
             for i, blk in enumerate(self.blocks):
                 sliding = c.is_sliding(i)
                 cos, sin = rope_local if sliding else rope_global
-                h = rms_norm(x, blk.attn_norm, c.eps)
-                q = rms_norm(blk.wq(h).view(rows, c.n_head, c.head_dim), blk.q_norm, c.eps)
-                k = rms_norm(blk.wk(h).view(rows, c.n_kv_head, c.head_dim), blk.k_norm, c.eps)
+                h = norm(x, blk.attn_norm, c.eps)
+                q = norm(blk.wq(h).view(rows, c.n_head, c.head_dim), blk.q_norm, c.eps)
+                k = norm(blk.wk(h).view(rows, c.n_kv_head, c.head_dim), blk.k_norm, c.eps)
                 v = blk.wv(h).view(rows, c.n_kv_head, c.head_dim)
-                q, k = apply_rope(q, cos, sin, neox=True), apply_rope(k, cos, sin, neox=True)
+                q, k = rotate(q, cos, sin, neox=True), rotate(k, cos, sin, neox=True)
                 # queries scaled before attention (scale 1 inside), as llama.cpp does: scaling after
                 # the fp16 dot product differs where the scaled query is an fp16 subnormal
                 attn = attend(self.backend, cache, i, groups, positions, q * c.head_dim**-0.5, k, v, 1.0,
                               window=c.window if sliding else 0)
-                x = x + rms_norm(blk.wo(attn.reshape(rows, c.n_head * c.head_dim)), blk.post_attn_norm, c.eps)
+                x = x + norm(blk.wo(attn.reshape(rows, c.n_head * c.head_dim)), blk.post_attn_norm, c.eps)
 
-                h = rms_norm(x, blk.ffn_norm, c.eps)
+                h = norm(x, blk.ffn_norm, c.eps)
                 with batch_scope(self.backend, batch, prompt=i < c.n_layers - 1):
                     h = blk.w_down(gelu(blk.w_gate(h)) * blk.w_up(h))
-                x = x + rms_norm(h, blk.post_ffn_norm, c.eps)
+                x = x + norm(h, blk.post_ffn_norm, c.eps)
                 if i in hidden_layers:
                     hidden[i] = x
         commit(batch, groups, cache)

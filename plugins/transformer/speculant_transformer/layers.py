@@ -38,6 +38,16 @@ def rope_fn(backend):
     return getattr(backend, "rope_tables", rope_tables)
 
 
+def norm_fn(backend):
+    """The backend's `rms_norm` where it has one (the CPU backend's is one native call)."""
+    return getattr(backend, "rms_norm", rms_norm)
+
+
+def rotate_fn(backend):
+    """The backend's `apply_rope` where it has one."""
+    return getattr(backend, "apply_rope", apply_rope)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
     """Rotate x [rows, heads, head_dim]. NEOX style pairs dimension i with i + d/2 (qwen, gemma);
     the original style pairs 2i with 2i+1 (llama, whose GGUF converter permutes q/k for it).
@@ -99,6 +109,7 @@ class DecoderModel:
         """Final norm and output projection for the rows that want logits (layer n_layers in
         `hidden_layers` asks for the final-normed state of every row)."""
         c = self.config
+        rms_norm = norm_fn(self.backend)
         if c.n_layers in hidden_layers:
             hidden[c.n_layers] = rms_norm(x, self.out_norm, c.eps)
         want = [i for i, w in enumerate(batch.want_logits) if w]

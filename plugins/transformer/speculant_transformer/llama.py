@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from speculant import Batch, ForwardOutput, KVCache
 from speculant.gguf.tokenizer import Tokenizer
 
-from speculant_transformer.layers import DecoderModel, apply_rope, attend, batch_scope, commit, reserve, rms_norm, rope_fn
+from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, norm_fn, reserve, rope_fn, rotate_fn
 from speculant_transformer.loading import WeightLoader, model_info, require
 
 
@@ -97,6 +97,7 @@ class LlamaModel(DecoderModel):
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         c = self.config
+        norm, rotate = norm_fn(self.backend), rotate_fn(self.backend)
         groups = reserve(batch, cache)
         positions = torch.tensor(batch.positions)
         cos, sin = rope_fn(self.backend)(positions, c.head_dim, c.rope_base, c.rope_scale)
@@ -107,17 +108,17 @@ class LlamaModel(DecoderModel):
         x = self.embed(torch.tensor(batch.tokens))  # [rows, n_embd]
         with batch_scope(self.backend, batch):
             for i, blk in enumerate(self.blocks):
-                h = rms_norm(x, blk.attn_norm, c.eps)
+                h = norm(x, blk.attn_norm, c.eps)
                 q = blk.wq(h).view(rows, c.n_head, c.head_dim)
                 k = blk.wk(h).view(rows, c.n_kv_head, c.head_dim)
                 v = blk.wv(h).view(rows, c.n_kv_head, c.head_dim)
                 if blk.q_norm is not None:
-                    q, k = rms_norm(q, blk.q_norm, c.eps), rms_norm(k, blk.k_norm, c.eps)
-                q, k = apply_rope(q, cos, sin, c.neox), apply_rope(k, cos, sin, c.neox)
+                    q, k = norm(q, blk.q_norm, c.eps), norm(k, blk.k_norm, c.eps)
+                q, k = rotate(q, cos, sin, c.neox), rotate(k, cos, sin, c.neox)
                 attn = attend(self.backend, cache, i, groups, positions, q, k, v, c.head_dim**-0.5)
                 x = x + blk.wo(attn.reshape(rows, c.n_head * c.head_dim))
 
-                h = rms_norm(x, blk.ffn_norm, c.eps)
+                h = norm(x, blk.ffn_norm, c.eps)
                 with batch_scope(self.backend, batch, prompt=i < c.n_layers - 1):
                     x = x + blk.w_down(swiglu(blk.w_gate(h), blk.w_up(h)))
                 if i in hidden_layers:

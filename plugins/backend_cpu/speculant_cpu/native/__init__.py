@@ -93,6 +93,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.spk_gelu_table.restype = None
     lib.spk_rope_table.argtypes = [ptr, i64, c_int, c_float, c_float, ptr, ptr]
     lib.spk_rope_table.restype = None
+    lib.spk_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, c_float]
+    lib.spk_rms_norm.restype = None
+    lib.spk_rope_apply.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
+    lib.spk_rope_apply.restype = None
     return lib
 
 

@@ -6,6 +6,8 @@
 //                   such a table)
 //   spk_rope_table  the rotary cos/sin of each position: the angle chained in float
 //                   (theta *= base^(-2/d) per pair), then libm's cosf/sinf
+//   spk_rope_apply  the rotation, with the FMAs llama.cpp's compiled code has
+//   spk_rms_norm    RMSNorm with its sum of squares in double, in order
 // The library is built with -ffp-contract=off: the FMAs are the ones written here, where ggml's
 // compiled code has them.
 #include <immintrin.h>
@@ -82,6 +84,37 @@ void spk_rope_table(const int64_t* pos, int64_t n, int n_dims, float base, float
             theta *= theta_scale;
         }
     }
+}
+
+// RMSNorm of rows of n floats, times the weight: the squares (rounded to float) summed in double
+// one after the other, the mean rounded to float, scale = 1 / sqrtf(mean + eps), y = (x * scale) * w.
+void spk_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; ++r, x += n, y += n) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; ++i) sum += (double)(x[i] * x[i]);
+        const float mean = (float)(sum / (double)n);
+        const float scale = 1.0f / sqrtf(mean + eps);
+        for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale * w[i];
+    }
+}
+
+// Rotate x [rows, heads, d] in place by cos/sin [rows, d / 2]: pairs (i, i + d/2) when neox, else
+// (2i, 2i + 1); x0' = fma(x0, cos, -(x1 * sin)), x1' = fma(x0, sin, x1 * cos), as llama.cpp's
+// compiled rotation rounds.
+void spk_rope_apply(float* x, const float* cos_t, const float* sin_t, int64_t rows, int64_t heads, int64_t d, int neox) {
+    const int64_t half = d / 2;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h) {
+            float* v = x + (r * heads + h) * d;
+            for (int64_t i = 0; i < half; ++i) {
+                const float c = cos_t[r * half + i], s = sin_t[r * half + i];
+                float* a = neox ? v + i : v + 2 * i;
+                float* b = neox ? v + i + half : v + 2 * i + 1;
+                const float x0 = *a, x1 = *b;
+                *a = std::fma(x0, c, -(x1 * s));
+                *b = std::fma(x0, s, x1 * c);
+            }
+        }
 }
 
 }  // extern "C"
