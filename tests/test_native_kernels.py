@@ -373,3 +373,26 @@ def test_q6k_canonical_rows_are_row_invariant_on_both_paths(n, k, amx_min_rows):
     canon = torch.from_numpy(kinds == 4)
     assert torch.equal(mixed[canon], alone[canon])
     assert torch.equal(mixed[~canon], run(raw, Q.Q6_K, n, k, x)[~canon])
+
+
+def test_native_norm_rope_swiglu_are_the_torch_arithmetic():
+    """The element-wise natives against the torch forms the architectures fall back to (which do
+    llama.cpp's arithmetic too), bit for bit."""
+    from speculant_cpu.backend import CpuBackend
+    from speculant_transformer.layers import apply_rope, rms_norm
+
+    be = CpuBackend()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 3, 128, generator=gen) * 40
+    w = torch.randn(128, generator=gen)
+    assert torch.equal(be.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    positions = torch.tensor([0, 1, 5, 300, 301, 4000, 70000])
+    cos, sin = be.rope_tables(positions, 128, 1e6)
+    for neox in (True, False):
+        assert torch.equal(be.apply_rope(x.clone(), cos, sin, neox), apply_rope(x, cos, sin, neox))
+    # the tables: float angles chained as llama.cpp chains them, then cosf/sinf (close to float64's)
+    from speculant_transformer.layers import rope_tables
+    c64, s64 = rope_tables(positions[:3], 128, 1e6)
+    assert torch.allclose(cos[:3], c64, atol=1e-6) and torch.allclose(sin[:3], s64, atol=1e-6)
+    gate, up = torch.randn(3, 8960 + 5, generator=gen) * 6, torch.randn(3, 8960 + 5, generator=gen)
+    assert torch.allclose(be.swiglu(gate, up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
