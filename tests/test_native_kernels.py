@@ -396,3 +396,19 @@ def test_native_norm_rope_swiglu_are_the_torch_arithmetic():
     assert torch.allclose(cos[:3], c64, atol=1e-6) and torch.allclose(sin[:3], s64, atol=1e-6)
     gate, up = torch.randn(3, 8960 + 5, generator=gen) * 6, torch.randn(3, 8960 + 5, generator=gen)
     assert torch.allclose(be.swiglu(gate, up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_logit_rows_take_the_kind_of_their_own_positions():
+    """The output head computes only the rows that want logits: its scope is theirs, so a row past
+    LLAMA_SPLIT_KV takes the canonical Q6_K kernels there too (not the two-pass decode kernel)."""
+    from speculant import Batch
+    from speculant_cpu.backend import LLAMA_SPLIT_KV, CpuBackend
+
+    be = CpuBackend()
+    batch = Batch.for_sequence(0, LLAMA_SPLIT_KV - 2, [5, 6, 7, 8], logits="all", prompt_len=3)
+    logit_rows = batch.select([1, 3])
+    assert logit_rows.positions == (LLAMA_SPLIT_KV - 1, LLAMA_SPLIT_KV + 1) and logit_rows.prompt_lens == (3, 3)
+    with be.batch(logit_rows, prompt=False):
+        assert list(be.row_kinds) == [0, 4] and be.row_mode(int(Q.Q6_K), 2) is None
+    with be.batch(batch.select([2, 3]), prompt=False):
+        assert be.row_mode(int(Q.Q6_K), 2) == 2 and be.row_mode(int(Q.Q4_K), 2) == 0

@@ -51,6 +51,16 @@ class Batch:
             lens if any(lens) else (),
         )
 
+    def select(self, rows: Seq[int]) -> "Batch":
+        """The batch of the given rows only, in that order."""
+        return Batch(
+            tuple(self.seq_ids[i] for i in rows),
+            tuple(self.positions[i] for i in rows),
+            tuple(self.tokens[i] for i in rows),
+            tuple(self.want_logits[i] for i in rows),
+            tuple(self.prompt_lens[i] for i in rows) if self.prompt_lens else (),
+        )
+
     def groups(self) -> list[tuple[int, int, int]]:
         """(seq_id, first row, end row) for each run of rows of one sequence."""
         out, start = [], 0

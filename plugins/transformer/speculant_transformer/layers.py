@@ -115,4 +115,6 @@ class DecoderModel:
         want = [i for i, w in enumerate(batch.want_logits) if w]
         if not want:  # a prompt chunk: skip the output head
             return ForwardOutput(x.new_empty(0, c.n_vocab), hidden)
-        return ForwardOutput(self.output(rms_norm(x[want], self.out_norm, c.eps)), hidden)
+        # The head's rows are the logit rows, computed as decode rows (as the last layer's FFN).
+        with batch_scope(self.backend, batch.select(want), prompt=False):
+            return ForwardOutput(self.output(rms_norm(x[want], self.out_norm, c.eps)), hidden)
