@@ -316,11 +316,15 @@ def test_backend_uses_native_kernels_and_keeps_the_mapping():
     assert type(CpuBackend(use_native=False).linear(info)).__name__ == "Int4Linear"
 
 
-def attention(q, k, v, positions, window, grouped):
+EXACT_EVERYWHERE = 1 << 62  # exact_below past every position: llama.cpp's arithmetic for all rows
+
+
+def attention(q, k, v, positions, window, grouped, exact_below=EXACT_EVERYWHERE):
     rows, n_head, dk = q.shape
     out = torch.empty(rows, n_head, v.shape[-1])
     assert lib.spk_attention_f16(q.data_ptr(), rows, n_head, k.shape[0], dk, v.shape[-1], k.data_ptr(), v.data_ptr(),
-                                 k.stride(0), v.stride(0), positions.data_ptr(), window, dk**-0.5, out.data_ptr(), grouped) == 0
+                                 k.stride(0), v.stride(0), positions.data_ptr(), window, dk**-0.5, out.data_ptr(), grouped,
+                                 exact_below) == 0
     return out
 
 
@@ -343,6 +347,70 @@ def test_grouped_attention_is_the_one_pair_kernel_bit_for_bit(rows, n_head, n_kv
     for r in (0, rows - 1):
         alone = attention(q[r : r + 1].contiguous(), k, v, positions[r : r + 1].contiguous(), window, grouped=1)
         assert torch.equal(alone[0], fast[r])
+
+
+GRID = [(1, 12, 2, 128, 0), (16, 12, 2, 128, 0), (5, 4, 1, 256, 40), (3, 14, 2, 64, 0), (7, 8, 8, 80, 9),
+        (2, 6, 3, 72, 0), (40, 2, 1, 16, 0)]
+
+
+def attention_case(rows, n_head, n_kv, dk, ctx=150, exact_below=None):
+    """Queries, an fp16 cache and sorted positions; with exact_below, the first row below it."""
+    gen = torch.Generator().manual_seed(rows * 100 + dk)
+    q = torch.randn(rows, n_head, dk, generator=gen) * 3  # sharp softmaxes: many new maxima
+    k = torch.randn(n_kv, ctx + rows, dk, generator=gen).half()
+    v = torch.randn(n_kv, ctx + rows, dk, generator=gen).half()
+    positions = sorted(torch.randint(0, ctx + rows, (rows,), generator=gen).tolist())
+    if exact_below is not None and rows > 1:
+        positions[0] = min(positions[0], exact_below - 3)  # a mixed batch: rows on both paths
+    return q, k, v, torch.tensor(positions, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("rows,n_head,n_kv,dk,window", GRID)
+def test_fp32_attention_rows_are_their_reference_bit_for_bit(rows, n_head, n_kv, dk, window):
+    """Rows from exact_below on (past llama.cpp's split-KV point) take fp32 flash attention in
+    16-key blocks at fixed offsets: the grouped kernel gives its scalar reference's bits, a row's
+    bits do not depend on the rows beside it, the thread count, or what the cache holds outside
+    its key range; rows below exact_below in the same call keep the llama.cpp arithmetic."""
+    exact_below = 20
+    q, k, v, positions = attention_case(rows, n_head, n_kv, dk, exact_below=exact_below)
+    reference = attention(q, k, v, positions, window, 0, exact_below)
+    fast = attention(q, k, v, positions, window, 1, exact_below)
+    assert torch.isfinite(fast).all()
+    assert torch.equal(fast, reference)
+    slow = positions < exact_below
+    assert torch.equal(fast[slow], attention(q, k, v, positions, window, 1)[slow])
+    assert not torch.equal(fast[~slow], attention(q, k, v, positions, window, 1)[~slow])
+    threads = lib.spk_threads()
+    try:
+        for n in (1, 2, 3):
+            lib.spk_set_threads(n)
+            assert torch.equal(attention(q, k, v, positions, window, 1, exact_below), fast), f"{n} threads"
+    finally:
+        lib.spk_set_threads(threads)
+    for r in range(rows):
+        p = int(positions[r])
+        lo = max(0, p + 1 - window) if window else 0
+        kr, vr = k.clone(), v.clone()  # cells outside the row's keys hold anything, even NaN
+        kr[:, :lo], kr[:, p + 1 :], vr[:, :lo], vr[:, p + 1 :] = float("nan"), float("inf"), float("nan"), float("inf")
+        alone = attention(q[r : r + 1].contiguous(), kr, vr, positions[r : r + 1].contiguous(), window, 1, exact_below)
+        assert torch.equal(alone[0], fast[r]), f"row {r} at {p}"
+
+
+@pytest.mark.parametrize("rows,n_head,n_kv,dk,window", GRID + [(9, 4, 2, 64, 23), (6, 2, 1, 128, 300)])
+def test_fp32_attention_is_softmax_attention_to_float32_accuracy(rows, n_head, n_kv, dk, window):
+    """The fp32 path against softmax attention in float64 (sliding windows whose first key falls
+    inside a 16-key block included)."""
+    q, k, v, positions = attention_case(rows, n_head, n_kv, dk, ctx=400)
+    positions = positions.clamp(min=1)
+    got = attention(q, k, v, positions, window, 1, 0)
+    group = n_head // n_kv
+    for r, p in enumerate(positions.tolist()):
+        lo = max(0, p + 1 - window) if window else 0
+        for h in range(n_head):
+            kh, vh = k[h // group, lo : p + 1].double(), v[h // group, lo : p + 1].double()
+            w = torch.softmax(kh @ q[r, h].double() * dk**-0.5, 0)
+            expected = w @ vh
+            assert (got[r, h].double() - expected).abs().max() <= 1e-5 * vh.abs().max(), (r, h, p, lo)
 
 
 def test_vector_exp_has_the_bits_of_libm_expf():

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "attention.cpp", "elementwise.cpp")]
-ABI_VERSION = 3
+ABI_VERSION = 4
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
 
 _lib: ctypes.CDLL | None = None
@@ -83,7 +83,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.spk_linear_mode.restype = ctypes.c_int
     lib.spk_prefault.argtypes = [ptr, i64]
     c_int, c_float = ctypes.c_int, ctypes.c_float
-    lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr, c_int]
+    lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr, c_int, i64]
     lib.spk_attention_f16.restype = c_int
     lib.spk_exp_check.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
     lib.spk_exp_check.restype = i64

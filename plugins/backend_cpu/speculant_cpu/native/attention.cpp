@@ -3,6 +3,10 @@
 // keys, an online softmax, and the weighted sum of values accumulated in fp16. Following its
 // numerics keeps our greedy output close to llama.cpp's; computing each row on its own keeps a
 // row's result independent of the other rows in the batch (the engine's exactness).
+// Rows at positions from `exact_below` on take plain fp32 flash attention instead (16-key blocks
+// at fixed offsets, a block-wise online softmax): llama.cpp splits the keys of such rows between
+// threads, so its bits cannot be had there anyway, and the fp16 rounding after every key is most
+// of the cost of a long context.
 #include <immintrin.h>
 
 #include <cmath>
@@ -70,11 +74,79 @@ struct AttentionCall {
     float scale;
     float* out;
     int64_t chunks, chunk_pairs;  // the (row, head) pairs of one kv head, split into chunks
+    int64_t exact_below;          // rows at positions from here on take the fp32 arithmetic
 };
 
 constexpr int MAX_HEAD_DIM = 1024;
 
 int64_t first_key(const AttentionCall& c, int64_t p) { return c.window > 0 ? std::max<int64_t>(0, p + 1 - c.window) : 0; }
+
+// expf of 16 floats within 1.5 ulp (Cephes' polynomial on [-ln2/2, ln2/2], then 2^n; checked on
+// every float in [-87, 0]), for the fp32 path. Arguments are clamped below at -104, where the result is 0 or a denormal; callers
+// zero the lanes that must weigh nothing.
+inline __m512 exp16_fast(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(y, n);
+}
+
+inline float exp_fast(float x) { return _mm512_cvtss_f32(exp16_fast(_mm512_set1_ps(x))); }
+
+// The sum of 16 lanes in a fixed tree: halves, quarters, pairs (fast_reference spells it out).
+inline float sum16(__m512 x) {
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_cvtss_f32(x);
+}
+
+constexpr int KEY_BLOCK = 16;
+constexpr int DOT_CHAINS = 4;  // a score is 4 fma chains over the dims d % 4, summed as a tree
+
+// The fp32 path for one pair, scalar, in the grouped kernel's operation order: the reference it
+// is tested against bit for bit. Blocks of 16 keys start at multiples of 16 of the key index, so a
+// pair's blocks (and bits) depend only on its own key range, never on the pairs computed with it.
+void fast_reference(const AttentionCall& c, const float* qh, const uint16_t* kh, const uint16_t* vh, int64_t lo, int64_t p, float* o) {
+    float q[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    for (int d = 0; d < c.dk; ++d) q[d] = qh[d] * c.scale;
+    std::fill(acc, acc + c.dv, 0.f);
+    float M = -INFINITY, S = 0.f;
+    for (int64_t j0 = lo & ~(int64_t)(KEY_BLOCK - 1); j0 <= p; j0 += KEY_BLOCK) {
+        const int ua = (int)std::max<int64_t>(0, lo - j0), ub = (int)std::min<int64_t>(KEY_BLOCK, p - j0 + 1);
+        float s[KEY_BLOCK], e[KEY_BLOCK] = {}, bmax = -INFINITY;
+        for (int u = ua; u < ub; ++u) {
+            float a[DOT_CHAINS] = {};
+            for (int d = 0; d < c.dk; ++d) a[d % DOT_CHAINS] = std::fma(q[d], _cvtsh_ss(kh[(j0 + u) * c.dk + d]), a[d % DOT_CHAINS]);
+            s[u] = (a[0] + a[1]) + (a[2] + a[3]);
+            bmax = std::max(bmax, s[u]);
+        }
+        const float m = std::max(M, bmax), corr = M == -INFINITY ? 0.f : exp_fast(M - m);
+        for (int u = ua; u < ub; ++u) e[u] = exp_fast(s[u] - m);
+        float h[KEY_BLOCK], g[KEY_BLOCK];  // sum16's tree
+        for (int i = 0; i < 16; ++i) h[i] = e[i] + e[i ^ 8];
+        for (int i = 0; i < 16; ++i) g[i] = h[i] + h[i ^ 4];
+        for (int i = 0; i < 16; ++i) h[i] = g[i] + g[i ^ 2];
+        S = std::fma(S, corr, h[0] + h[1]);
+        for (int d = 0; d < c.dv; ++d) {
+            float a = acc[d] * corr;
+            for (int u = ua; u < ub; ++u) a = std::fma(e[u], _cvtsh_ss(vh[(j0 + u) * c.dv + d]), a);
+            acc[d] = a;
+        }
+        M = m;
+    }
+    const float s_inv = S == 0.f ? 0.f : 1.f / S;
+    for (int d = 0; d < c.dv; ++d) o[d] = acc[d] * s_inv;
+}
 
 // One (row, head) pair on its own: the definition of the numerics, kept as the reference the
 // grouped kernel below is tested against bit for bit.
@@ -83,6 +155,11 @@ void attend_one(int64_t item, void* ctx) {
     const int64_t r = item / c.n_head;
     const int h = (int)(item % c.n_head);
     const int64_t p = c.positions[r];
+    if (p >= c.exact_below) {
+        fast_reference(c, c.q + (r * c.n_head + h) * c.dk, c.k + (int64_t)(h / c.group) * c.k_head_stride,
+                       c.v + (int64_t)(h / c.group) * c.v_head_stride, first_key(c, p), p, c.out + (r * c.n_head + h) * c.dv);
+        return;
+    }
     uint16_t q16[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
     const float* qh = c.q + (r * c.n_head + h) * c.dk;
     for (int d = 0; d < c.dk; ++d) q16[d] = _cvtss_sh(qh[d], _MM_FROUND_TO_NEAREST_INT);
@@ -161,8 +238,10 @@ inline __m512 exp16_like_libm(__m512 x) {
 // heads of a GQA group, over one or more rows), in blocks of 16 keys: each key and value row is
 // converted from fp16 once for the whole chunk, a pair's 16 dot products are independent work,
 // and the block's exps are one vector call. Each pair still sees its keys in order with the same
-// operations as attend_one, so the bits are the same.
-constexpr int KEY_BLOCK = 16;
+// operations as attend_one, so the bits are the same. Pairs on the fp32 path (rows from
+// exact_below on) share the block's converted keys and values, the keys also transposed (16 keys
+// per dim) so that a pair's 16 scores are dk broadcast FMAs with no horizontal sums, each key
+// vector loaded once for four pairs (the kernel is bound by loads, about one vector per cycle).
 
 struct KeyWeight {
     float ms, vs;
@@ -182,6 +261,110 @@ struct PairState {
     float M, S;
 };
 
+// 16 vectors of 16 floats transposed in registers: r[i][u] becomes r[u][i].
+inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + k], 128-bit lane l: column 4l + k of rows 4i..4i+3
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+        t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
+        t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+    }
+    for (int k = 0; k < 4; ++k) {
+        r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
+        r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xDD);
+    }
+}
+
+// Keys 0..nb-1 of k (rows of dk fp16) to fp32 and transposed: kt[d * 16 + u] = k[u][d], 0 for u >= nb.
+inline void keys_transposed(float* kt, const uint16_t* k, int nb, int dk) {
+    for (int d0 = 0; d0 < dk; d0 += 16) {
+        const int w = std::min(16, dk - d0);
+        const __mmask16 m = (__mmask16)((1u << w) - 1);
+        __m512 r[16];
+        for (int u = 0; u < 16; ++u)
+            r[u] = u < nb ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, k + (int64_t)u * dk + d0)) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int i = 0; i < w; ++i) _mm512_storeu_ps(kt + (d0 + i) * 16, r[i]);
+    }
+}
+
+// The 16 scores of P pairs (queries q[i]) against a block of keys transposed (kt): each key row
+// loaded once for the P pairs, DOT_CHAINS fma chains per pair. The arithmetic of a pair is the
+// same whatever P.
+template <int P>
+inline void block_scores(const float* const* q, const float* kt, int dk, __m512* s) {
+    __m512 a[P][DOT_CHAINS];
+    for (int i = 0; i < P; ++i)
+        for (int w = 0; w < DOT_CHAINS; ++w) a[i][w] = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + DOT_CHAINS <= dk; d += DOT_CHAINS)
+        for (int w = 0; w < DOT_CHAINS; ++w) {
+            const __m512 kd = _mm512_loadu_ps(kt + (d + w) * 16);
+            for (int i = 0; i < P; ++i) a[i][w] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + w]), kd, a[i][w]);
+        }
+    for (; d < dk; ++d) {
+        const __m512 kd = _mm512_loadu_ps(kt + d * 16);
+        for (int i = 0; i < P; ++i) a[i][d % DOT_CHAINS] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d]), kd, a[i][d % DOT_CHAINS]);
+    }
+    for (int i = 0; i < P; ++i) s[i] = _mm512_add_ps(_mm512_add_ps(a[i][0], a[i][1]), _mm512_add_ps(a[i][2], a[i][3]));
+}
+
+// acc[0, 16 NV) = acc * corr + sum of w[u] V_u over keys ua..ub-1, the NV vectors in registers
+// through the keys (one broadcast per key for NV fmas).
+template <int NV>
+inline void accumulate(float* acc, const float* vf, int dvp, const float* w, int ua, int ub, __m512 corr) {
+    __m512 x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), corr);
+    for (int u = ua; u < ub; ++u) {
+        const __m512 wu = _mm512_set1_ps(w[u]);
+        for (int i = 0; i < NV; ++i) x[i] = _mm512_fmadd_ps(wu, _mm512_loadu_ps(vf + u * dvp + 16 * i), x[i]);
+    }
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, x[i]);
+}
+
+// The rest of a block for one pair on the fp32 path (fast_reference's arithmetic), given its
+// scores s: the online softmax step, then the values (vf: the block's value rows, dvp apart).
+inline void fast_block(PairState& st, float* acc, __m512 s, const float* vf, int ua, int ub, int dvp) {
+    // keys outside the pair's range weigh exactly 0, whatever the cache holds there
+    const __mmask16 valid = (__mmask16)(((1u << ub) - 1) & ~((1u << ua) - 1));
+    s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s);
+    const float m = std::max(st.M, _mm512_reduce_max_ps(s));
+    const float corr = st.M == -INFINITY ? 0.f : exp_fast(st.M - m);
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16_fast(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+    st.S = std::fma(st.S, corr, sum16(e));
+    st.M = m;
+    alignas(64) float w[KEY_BLOCK];
+    _mm512_store_ps(w, e);
+    const __m512 cv = _mm512_set1_ps(corr);
+    for (int i = 0; i < dvp; i += 128) {
+        float* a = acc + i;
+        const float* v = vf + i;
+        switch (std::min(8, (dvp - i) / 16)) {
+            case 8: accumulate<8>(a, v, dvp, w, ua, ub, cv); break;
+            case 7: accumulate<7>(a, v, dvp, w, ua, ub, cv); break;
+            case 6: accumulate<6>(a, v, dvp, w, ua, ub, cv); break;
+            case 5: accumulate<5>(a, v, dvp, w, ua, ub, cv); break;
+            case 4: accumulate<4>(a, v, dvp, w, ua, ub, cv); break;
+            case 3: accumulate<3>(a, v, dvp, w, ua, ub, cv); break;
+            case 2: accumulate<2>(a, v, dvp, w, ua, ub, cv); break;
+            default: accumulate<1>(a, v, dvp, w, ua, ub, cv); break;
+        }
+    }
+}
+
 void attend_chunk(int64_t item, void* ctx) {
     const AttentionCall& c = *(const AttentionCall*)ctx;
     const int kvh = (int)(item / c.chunks);
@@ -190,37 +373,75 @@ void attend_chunk(int64_t item, void* ctx) {
     if (t0 >= t1) return;
     const int n = (int)(t1 - t0);
     const int nv = c.dv / 16, np = c.dk & ~63;
-    thread_local std::vector<float> qbuf, kbuf, vbuf;
+    const int dvp = (c.dv + 15) & ~15;  // value rows and fp32 accumulators padded to whole vectors
+    thread_local std::vector<float> qbuf, kbuf, vbuf, ktbuf, accf;
     thread_local std::vector<uint16_t> accbuf;
     thread_local std::vector<PairState> pairs;
+    thread_local std::vector<int> exact, fast, active;  // the pairs on each path; those with keys in a block
     thread_local std::vector<KeyWeight> weights;
     weights.resize((size_t)KEY_BLOCK * n);
     qbuf.resize((size_t)n * c.dk);
     kbuf.resize((size_t)KEY_BLOCK * c.dk);
-    vbuf.resize((size_t)KEY_BLOCK * c.dv);
+    ktbuf.resize((size_t)KEY_BLOCK * c.dk);
+    vbuf.resize((size_t)KEY_BLOCK * dvp);
     accbuf.assign((size_t)n * c.dv, 0);
+    accf.assign((size_t)n * dvp, 0.f);
     pairs.resize(n);
+    exact.clear();
+    fast.clear();
     int64_t jlo = INT64_MAX, jhi = -1;
     for (int t = 0; t < n; ++t) {
         const int64_t r = (t0 + t) / c.group;
         const int h = kvh * c.group + (int)((t0 + t) % c.group);
         const float* qh = c.q + (r * c.n_head + h) * c.dk;
-        float* qf = qbuf.data() + (size_t)t * c.dk;  // the query rounded to fp16, held as fp32
-        for (int d = 0; d < c.dk; ++d) qf[d] = _cvtsh_ss(_cvtss_sh(qh[d], _MM_FROUND_TO_NEAREST_INT));
         const int64_t p = c.positions[r];
+        float* qf = qbuf.data() + (size_t)t * c.dk;
+        if (p >= c.exact_below) {
+            for (int d = 0; d < c.dk; ++d) qf[d] = qh[d] * c.scale;
+            fast.push_back(t);
+        } else {
+            for (int d = 0; d < c.dk; ++d) qf[d] = _cvtsh_ss(_cvtss_sh(qh[d], _MM_FROUND_TO_NEAREST_INT));  // rounded to fp16
+            exact.push_back(t);
+        }
         pairs[t] = PairState{qf, c.out + (r * c.n_head + h) * c.dv, first_key(c, p), p, -INFINITY, 0.f};
         jlo = std::min(jlo, pairs[t].lo);
         jhi = std::max(jhi, p);
     }
     const uint16_t* kh = c.k + (int64_t)kvh * c.k_head_stride;
     const uint16_t* vh = c.v + (int64_t)kvh * c.v_head_stride;
-    for (int64_t j0 = jlo; j0 <= jhi; j0 += KEY_BLOCK) {
+    // Blocks start at multiples of 16 (the fp32 path's blocks; for the exact path only the key
+    // order matters).
+    for (int64_t j0 = jlo & ~(int64_t)(KEY_BLOCK - 1); j0 <= jhi; j0 += KEY_BLOCK) {
         const int nb = (int)std::min<int64_t>(KEY_BLOCK, jhi - j0 + 1);
         for (int u = 0; u < nb; ++u) {
-            to_f32(kbuf.data() + u * c.dk, kh + (j0 + u) * c.dk, c.dk);
-            to_f32(vbuf.data() + u * c.dv, vh + (j0 + u) * c.dv, c.dv);
+            if (!exact.empty()) to_f32(kbuf.data() + u * c.dk, kh + (j0 + u) * c.dk, c.dk);
+            to_f32(vbuf.data() + u * dvp, vh + (j0 + u) * c.dv, c.dv);
         }
-        for (int t = 0; t < n; ++t) {
+        if (!fast.empty()) {
+            keys_transposed(ktbuf.data(), kh + j0 * c.dk, nb, c.dk);
+            active.clear();
+            for (const int t : fast)
+                if (pairs[t].lo < j0 + nb && pairs[t].hi >= j0) active.push_back(t);
+            for (size_t f = 0; f < active.size(); f += 4) {  // scores four pairs at a time
+                const int P = (int)std::min<size_t>(4, active.size() - f);
+                const float* qs[4];
+                __m512 s[4];
+                for (int i = 0; i < P; ++i) qs[i] = pairs[active[f + i]].q;
+                switch (P) {
+                    case 4: block_scores<4>(qs, ktbuf.data(), c.dk, s); break;
+                    case 3: block_scores<3>(qs, ktbuf.data(), c.dk, s); break;
+                    case 2: block_scores<2>(qs, ktbuf.data(), c.dk, s); break;
+                    default: block_scores<1>(qs, ktbuf.data(), c.dk, s); break;
+                }
+                for (int i = 0; i < P; ++i) {
+                    const int t = active[f + i];
+                    PairState& st = pairs[t];
+                    const int ua = (int)std::max<int64_t>(0, st.lo - j0), ub = (int)std::min<int64_t>(nb, st.hi - j0 + 1);
+                    fast_block(st, accf.data() + (size_t)t * dvp, s[i], vbuf.data(), ua, ub, dvp);
+                }
+            }
+        }
+        for (const int t : exact) {
             PairState& st = pairs[t];
             const int ua = (int)std::max<int64_t>(0, st.lo - j0), ub = (int)std::min<int64_t>(nb, st.hi - j0 + 1);
             if (ua >= ub) {
@@ -265,8 +486,8 @@ void attend_chunk(int64_t item, void* ctx) {
         // The value rows: key by key, the pairs in turn, so that consecutive updates are of
         // different accumulators and their latency chains overlap.
         for (int u = 0; u < nb; ++u) {
-            const float* vf = vbuf.data() + u * c.dv;
-            for (int t = 0; t < n; ++t) {
+            const float* vf = vbuf.data() + u * dvp;
+            for (const int t : exact) {
                 const KeyWeight w = weights[(size_t)u * n + t];
                 if (!w.inside) continue;
                 uint16_t* acc = accbuf.data() + (size_t)t * c.dv;
@@ -284,11 +505,17 @@ void attend_chunk(int64_t item, void* ctx) {
             }
         }
     }
-    for (int t = 0; t < n; ++t) {
+    for (const int t : exact) {
         const PairState& st = pairs[t];
         const uint16_t* acc = accbuf.data() + (size_t)t * c.dv;
         const float s_inv = st.S == 0.f ? 0.f : 1.f / st.S;
         for (int d = 0; d < c.dv; ++d) st.out[d] = _cvtsh_ss(acc[d]) * s_inv;
+    }
+    for (const int t : fast) {
+        const PairState& st = pairs[t];
+        const float* acc = accf.data() + (size_t)t * dvp;
+        const float s_inv = st.S == 0.f ? 0.f : 1.f / st.S;
+        for (int d = 0; d < c.dv; ++d) st.out[d] = acc[d] * s_inv;
     }
 }
 
@@ -302,12 +529,13 @@ extern "C" {
 // elements between kv heads (keys of one head are contiguous); positions [rows]. Row r at
 // position p attends to keys lo..p, lo = p + 1 - window when window > 0. out [rows, n_head, dv].
 // Returns -1 (and does nothing) for head sizes above MAX_HEAD_DIM. `grouped` 0 runs the one
-// pair at a time reference (for tests); the results are the same bits.
+// pair at a time reference (for tests); the results are the same bits. Rows at positions from
+// `exact_below` on take the fp32 flash-attention arithmetic, the others llama.cpp's.
 int spk_attention_f16(const float* q, int64_t rows, int n_head, int n_kv, int dk, int dv,
                       const uint16_t* k, const uint16_t* v, int64_t k_head_stride, int64_t v_head_stride,
-                      const int64_t* positions, int64_t window, float scale, float* out, int grouped) {
+                      const int64_t* positions, int64_t window, float scale, float* out, int grouped, int64_t exact_below) {
     if (dk > MAX_HEAD_DIM || dv > MAX_HEAD_DIM || n_kv <= 0 || n_head % n_kv != 0) return -1;
-    AttentionCall call{q, rows, n_head, n_kv, n_head / n_kv, dk, dv, k, v, k_head_stride, v_head_stride, positions, window, scale, out, 1, 1};
+    AttentionCall call{q, rows, n_head, n_kv, n_head / n_kv, dk, dv, k, v, k_head_stride, v_head_stride, positions, window, scale, out, 1, 1, exact_below};
     if (!grouped) {
         spk_parallel_for(rows * n_head, attend_one, &call);
         return 0;

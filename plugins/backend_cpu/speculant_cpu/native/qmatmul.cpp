@@ -1199,7 +1199,7 @@ int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX
 
 extern "C" {
 
-int spk_abi_version() { return 3; }
+int spk_abi_version() { return 4; }
 
 void spk_set_threads(int n) {
     std::lock_guard<std::mutex> lock(g_call_mu);
