@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from speculant import Batch, ForwardOutput, KVCache
 from speculant.gguf.tokenizer import Tokenizer
 
-from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, norm_fn, reserve, rope_fn, rotate_fn
+from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
 from speculant_transformer.loading import WeightLoader, model_info, require
 
 SWA_PATTERN = 6  # layers i with (i + 1) % 6 != 0 use the sliding window
@@ -131,7 +131,7 @@ class Gemma3Model(DecoderModel):
                 x = x + norm(blk.wo(attn.reshape(rows, c.n_head * c.head_dim)), blk.post_attn_norm, c.eps)
 
                 h = norm(x, blk.ffn_norm, c.eps)
-                with batch_scope(self.backend, batch, prompt=i < c.n_layers - 1):
+                with ffn_scope(self.backend, batch, i, c.n_layers):
                     h = blk.w_down(gelu(blk.w_gate(h)) * blk.w_up(h))
                 x = x + norm(h, blk.post_ffn_norm, c.eps)
                 if i in hidden_layers:

@@ -33,6 +33,12 @@ def batch_scope(backend, batch: Batch, prompt: bool = True):
     return scope(batch, prompt) if scope is not None else contextlib.nullcontext()
 
 
+def ffn_scope(backend, batch: Batch, layer: int, n_layers: int):
+    """Around layer `layer`'s FFN, inside the forward's batch_scope: the last layer's FFN computes
+    its rows as decode rows (see batch_scope); the others keep the forward's scope as it is."""
+    return batch_scope(backend, batch, prompt=False) if layer == n_layers - 1 else contextlib.nullcontext()
+
+
 def rope_fn(backend):
     """The backend's `rope_tables` where it has one (the CPU backend builds them as llama.cpp does)."""
     return getattr(backend, "rope_tables", rope_tables)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from speculant import Batch, ForwardOutput, KVCache
 from speculant.gguf.tokenizer import Tokenizer
 
-from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, norm_fn, reserve, rope_fn, rotate_fn
+from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
 from speculant_transformer.loading import WeightLoader, model_info, require
 
 
@@ -119,7 +119,7 @@ class LlamaModel(DecoderModel):
                 x = x + blk.wo(attn.reshape(rows, c.n_head * c.head_dim))
 
                 h = norm(x, blk.ffn_norm, c.eps)
-                with batch_scope(self.backend, batch, prompt=i < c.n_layers - 1):
+                with ffn_scope(self.backend, batch, i, c.n_layers):
                     x = x + blk.w_down(swiglu(blk.w_gate(h), blk.w_up(h)))
                 if i in hidden_layers:
                     hidden[i] = x
