@@ -77,7 +77,7 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
 
 @pytest.fixture
 def amx_min_rows():
-    """Set the row count from which Q4_K calls take the AMX path; restored afterwards."""
+    """Set the row count from which calls take the AMX path (where it has their type and mode); restored afterwards."""
     old = lib.spk_set_amx_min_rows(0)
     lib.spk_set_amx_min_rows(old)
     yield lib.spk_set_amx_min_rows
@@ -247,6 +247,52 @@ def test_prompt_rows_take_llamacpp_prompt_arithmetic(qtype, n, k):
     assert torch.equal(other, decode)
 
 
+def random_k_quant_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
+    """Random bytes in GGUF block format: every value, scale and min pattern (the 6-bit and int8
+    scales at their extremes included), with finite fp16 block scales of any magnitude, subnormals
+    and negatives included."""
+    size, scale_at, n_scales = (144, 0, 2) if qtype == Q.Q4_K else (210, 208, 1)
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    scales = rng.integers(0, 1 << 16, (n, k // 256, n_scales), dtype=np.uint16)
+    scales[(scales & 0x7C00) == 0x7C00] &= 0xBFFF  # no inf or NaN
+    raw[..., scale_at : scale_at + 2 * n_scales] = scales.view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype,n,k", K_SHAPES)
+def test_prompt_arithmetic_is_the_same_on_both_paths(qtype, n, k, amx_min_rows):
+    """spk_linear_mode 1 (llama.cpp's prompt arithmetic): the AMX kernel gives the VNNI kernels'
+    bits for every row count (partial groups of 16 included), on random blocks with extreme scales,
+    and for prompt rows mixed with decode rows in one spk_linear_prompt call."""
+    rng = np.random.default_rng(n + k + int(qtype))
+    raw = random_k_quant_blocks(qtype, n, k, rng)
+    _, x = k_quant_case(qtype, n, k)
+    x[12] = -2.0  # every value quantizes to -127: the largest sums
+    x[13] = np.abs(x[13]) * 5
+    amx_min_rows(0)
+    alone = torch.cat([run_mode(raw, qtype, n, k, x[i : i + 1], 1) for i in range(len(x))])
+    emulate = llamacpp_q4k if qtype == Q.Q4_K else llamacpp_q6k
+    assert torch.equal(alone, torch.from_numpy(emulate(raw, n, k, x, True)))
+    decode = run(raw, qtype, n, k, x)
+    amx = 2 if lib.spk_amx_available() else 1
+    for threshold in (1, 5):  # always AMX, the default split
+        amx_min_rows(threshold)
+        for m in (1, 2, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 45, 48, 63, 64, 65, 70):
+            got = run_mode(raw, qtype, n, k, x[:m], 1)
+            assert lib.spk_last_path() == (amx if m >= threshold else 1)
+            assert torch.equal(got, alone[:m]), f"{m} rows, AMX from {threshold} rows"
+        assert torch.equal(run_mode(raw, qtype, n, k, x[21:66], 1), alone[21:66])  # rows at another offset
+        bit = 1 if qtype == Q.Q4_K else 2
+        kinds = np.zeros(len(x), np.uint8)
+        kinds[2:9] = bit  # runs of prompt rows of 7, 45 and 7 rows between decode rows
+        kinds[12:57] = bit
+        kinds[63:70] = 3
+        mixed = run_prompt(raw, qtype, n, k, x, kinds)
+        flagged = torch.from_numpy(kinds & bit != 0)
+        assert torch.equal(mixed[flagged], alone[flagged])
+        assert torch.equal(mixed[~flagged], decode[~flagged])
+
+
 def test_amx_path_is_taken_where_available(amx_min_rows):
     rng = np.random.default_rng(3)
     raw = quantize(rng.standard_normal((32, 512)).astype(np.float32), Q.Q4_K)
@@ -326,6 +372,12 @@ def attention(q, k, v, positions, window, grouped, exact_below=EXACT_EVERYWHERE)
                                  k.stride(0), v.stride(0), positions.data_ptr(), window, dk**-0.5, out.data_ptr(), grouped,
                                  exact_below) == 0
     return out
+
+
+def test_attention_over_no_rows_does_nothing():
+    """An empty batch is a no-op (it once divided the pairs into zero chunks)."""
+    q, k, v, positions = attention_case(1, 4, 2, 64)
+    assert attention(q[:0].contiguous(), k, v, positions[:0].contiguous(), 0, 1).shape == (0, 4, 64)
 
 
 @pytest.mark.parametrize("rows,n_head,n_kv,dk,window", [(1, 12, 2, 128, 0), (16, 12, 2, 128, 0), (5, 4, 1, 256, 40),

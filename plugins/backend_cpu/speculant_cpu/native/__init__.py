@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "attention.cpp", "elementwise.cpp")]
-ABI_VERSION = 4
+ABI_VERSION = 5
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
 
 _lib: ctypes.CDLL | None = None

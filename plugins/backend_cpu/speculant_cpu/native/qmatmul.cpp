@@ -14,8 +14,10 @@
 // activation row, 256-block), the same EXACT integers
 //   Q4_K: isum = sum_j sc_j * (sum_{i in sub-block j} q_i x_i),  msum = sum_j min_j * bsum32_j
 // and then the one canonical fp32 epilogue below (epilogue_q4k), in block order, lane-wise: 4
-// activation rows per xmm in the VNNI kernels, 16 per zmm in the AMX kernel. Q6_K in llama.cpp's
-// arithmetic has the VNNI path only; its canonical form (spk_linear_mode 2) has both.
+// activation rows per xmm in the VNNI kernels, 16 per zmm in the AMX kernel. The same holds for
+// llama.cpp's prompt arithmetic (spk_linear_mode 1: Q4_K's sums per pair of sub-blocks, Q6_K's
+// per block) and Q6_K's canonical form (mode 2); Q6_K in llama.cpp's decode arithmetic has the
+// VNNI path only.
 //
 // The fp32 arithmetic is llama.cpp's, operation for operation, as its x86 CPU backend runs these
 // types (AVX2 and up; checked against its tensors): Q4_K as its repacked 8x8 gemv/gemm (two FMA
@@ -84,7 +86,8 @@ struct Act {
     // AMX layout (Q8_K only): groups of 16 rows, the last one padded with zero rows.
     std::vector<int8_t> bt;     // [group, nb, 64, 16, 4]: a tile B per block (value v of row i at [v/4][i][v%4])
     std::vector<float> dt;      // [group, nb, 16]: scales, lane = row in the group
-    std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of the sums of each 32 values [4][16];
+    std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of the sums of each 32 values [4][16]
+                                //                  (pair p: sub-blocks 2p, 2p+1);
                                 //                  Q6_K: the sums of all 256 values [16]
 };
 
@@ -154,9 +157,10 @@ void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float*
 
 inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
 
-// AMX layout: row i of the call goes to lane i % 16 of group i / 16 (values in q4k_order for
-// Q4_K, natural for Q6_K: the order of the weight planes). x == nullptr: a zero row.
-void quantize_q8k_row_amx(const float* x, int nb, bool q4k, int64_t i, Act& a) {
+// AMX layout: row i of the call goes to lane i % 16 of group i / 16, its values in the order of
+// the weight planes: q4k_order for Q4_K by blocks, natural for Q4_K by pairs of sub-blocks and for
+// Q6_K. x == nullptr: a zero row.
+void quantize_q8k_row_amx(const float* x, int nb, bool q4k, bool q4k_order, int64_t i, Act& a) {
     const int64_t g = i / 16;
     const int lane = (int)(i % 16);
     for (int b = 0; b < nb; ++b) {
@@ -170,7 +174,7 @@ void quantize_q8k_row_amx(const float* x, int nb, bool q4k, int64_t i, Act& a) {
         for (int v = 0; v < 64; ++v) {
             // q4k_order: within each 128 values, the 32-value segments in the order 0, 2, 1, 3
             const int w = v % 32, seg = w / 8;
-            const int src = q4k ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
+            const int src = q4k_order ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
             std::memcpy(bt + 64 * v, q + 4 * src, 4);
         }
         a.dt[gb * 16 + lane] = d;
@@ -229,6 +233,14 @@ inline __m128 epilogue_q6k_canon(__m128 acc, __m128 d, __m128 dx, __m128i isum) 
 }
 inline __m512 epilogue_q6k_canon(__m512 acc, __m512 d, __m512 dx, __m512i isum) {
     return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)));
+}
+// Q6_K prompt rows (llama.cpp's tiled matmul): one sum per block, fma((float)isum * d, dx, acc)
+// (its code writes buf + result * dx; the compiler fuses it), lane-wise in the VNNI and AMX kernels.
+inline __m128 epilogue_q6k_tiled(__m128 acc, __m128 d, __m128 dx, __m128i isum) {
+    return _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(isum), d), dx, acc);
+}
+inline __m512 epilogue_q6k_tiled(__m512 acc, __m512 d, __m512 dx, __m512i isum) {
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d), dx, acc);
 }
 // llama.cpp's hsum_float_8: (a0 + a4) + (a2 + a6) + ((a1 + a5) + (a3 + a7)).
 inline float hsum8(__m256 v) {
@@ -613,9 +625,7 @@ void dot_q6k_tiled(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, in
                 acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
                 dx[t] = a.d[ab];
             }
-            const __m128 f = _mm_mul_ps(_mm_cvtepi32_ps(hsum4(acc)), _mm_set1_ps(d));
-            // (llama.cpp's code writes buf + result * dx; the compiler fuses it)
-            s[g] = _mm_fmadd_ps(f, _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), s[g]);
+            s[g] = epilogue_q6k_tiled(s[g], _mm_set1_ps(d), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc));
         }
     }
     for (int i = 0; i < NR; ++i) {
@@ -724,13 +734,17 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
 // exact sums recombine in int32: sc = 8*hi + lo (hi, lo <= 7), plane1 = hi*q, plane2 = lo*q
 // (<= 105): isum = 8*C1 + C2;  msum from the block sums (vpdpwssd), as in the VNNI kernel.
 // Range: C <= 256*105*127 = 3.4M: int32. Then the canonical epilogue, lane-wise over the
-// activation rows.
+// activation rows. Q4_K prompt rows (llama.cpp's gemm, one FMA step per pair of sub-blocks) take
+// the planes and the activations in natural order instead, so that K step z is exactly pair z
+// (values 64z .. 64z + 63, sub-blocks 2z, 2z + 1): each step's C1, C2 are stored apart and the
+// pair's epilogue step runs on them, in pair order (isum_pair = 8*C1 + C2 <= 64*63*15*127 = 7.7M).
 //
-// Q6_K runs here only in its canonical form (one sum per block): llama.cpp's arithmetic keeps
-// eight partial sums per block, each over a strided eighth of the values, which a K = 64 tile
-// product mixes. The canonical form: p = sc*(q - 32) + 4096 in [32, 8192], plane1 = p & 255,
-// plane2 = p >> 8 (<= 32): isum = C1 + 256*C2 - 4096*bsum256; C1 <= 256*255*127 = 8.3M,
-// 256*C2 <= 266M, 4096*|bsum256| <= 133M: int32.
+// Q6_K runs here in the forms with one sum per block: the canonical one and llama.cpp's tiled
+// prompt matmul (their epilogues differ, their integers do not). llama.cpp's decode arithmetic
+// keeps eight partial sums per block, each over a strided eighth of the values, which a K = 64
+// tile product mixes. p = sc*(q - 32) + 4096 in [32, 8192], plane1 = p & 255, plane2 = p >> 8
+// (<= 32): isum = C1 + 256*C2 - 4096*bsum256; C1 <= 256*255*127 = 8.3M, 256*C2 <= 266M,
+// 4096*|bsum256| <= 133M: int32.
 
 bool amx_ok() {
     static const bool ok = [] {
@@ -778,20 +792,29 @@ inline void tiles_ready() {
 
 constexpr int AMX_GROUPS_MAX = 4;  // activation groups of 16 rows per work item (ACT_TILE / 16)
 
-// Q4.idx for a vpermw source holding two rows' 16 scale words: row parity p reads words 16p + ...
+// Index vectors for a vpermw source holding two rows' 16 scale words (row parity p reads words
+// 16p + ...): idx[0] as Q4.idx, for the planes in q4k_order (zmm z: sub-blocks (0,2), (1,3),
+// (4,6), (5,7)); idx[1] for natural order (zmm z: sub-blocks 2z, 2z + 1).
 struct Q4PairIdx {
-    __m512i idx[2][4];
+    __m512i idx[2][2][4];
     Q4PairIdx() {
         for (int p = 0; p < 2; ++p)
-            for (int z = 0; z < 4; ++z) idx[p][z] = _mm512_add_epi16(Q4.idx[z], _mm512_set1_epi16((short)(16 * p)));
+            for (int z = 0; z < 4; ++z) {
+                idx[0][p][z] = _mm512_add_epi16(Q4.idx[z], _mm512_set1_epi16((short)(16 * p)));
+                alignas(64) int16_t v[32];
+                for (int t = 0; t < 32; ++t) v[t] = (int16_t)(16 * p + 2 * z + (t < 16 ? 0 : 1));
+                idx[1][p][z] = _mm512_load_si512(v);
+            }
     }
 };
 
 const Q4PairIdx Q4P;
 
 // Block b of four weight rows r0 .. r0 + 3 of a chunk (rows past nr read row nr - 1's header and
-// get no planes) into the two planes (256 bytes a row, in q4k_order, the order of the
-// activations' B tiles), the int16 pairs of their mins and dd[r] = (d, dmin). The 12-byte scale fields of the four rows unpack together.
+// get no planes) into the two planes (256 bytes a row, in the order of the activations' B tiles:
+// q4k_order, or natural for PAIRS), the int16 pairs of their mins and dd[r] = (d, dmin). The
+// 12-byte scale fields of the four rows unpack together.
+template <bool PAIRS>
 inline void amx_decode_q4k(const uint8_t* W, size_t row_bytes, int b, int r0, int nr, uint8_t* P1, uint8_t* P2,
                            int32_t (*mins)[4], float (*dd)[2]) {
     const uint8_t* h[4];
@@ -819,15 +842,23 @@ inline void amx_decode_q4k(const uint8_t* W, size_t row_bytes, int b, int r0, in
     for (int l = 0; l < 4 && r0 + l < nr; ++l) {
         const uint8_t* qs = h[l] + offsetof(BlockQ4K, qs);
         const __m512i q0 = _mm512_loadu_si512(qs), q1 = _mm512_loadu_si512(qs + 64);
-        const __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
-                              _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+        __m512i v[4] = {_mm512_and_si512(q0, m4), _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4),
+                        _mm512_and_si512(q1, m4), _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4)};
+        if constexpr (PAIRS) {  // natural order: the low then the high nibbles of bytes 32z .. 32z + 31
+            const __m512i n0 = v[0], n1 = v[1], n2 = v[2], n3 = v[3];
+            v[0] = _mm512_shuffle_i64x2(n0, n1, 0x44);
+            v[1] = _mm512_shuffle_i64x2(n0, n1, 0xEE);
+            v[2] = _mm512_shuffle_i64x2(n2, n3, 0x44);
+            v[3] = _mm512_shuffle_i64x2(n2, n3, 0xEE);
+        }
         uint8_t* p1 = P1 + 256 * (r0 + l);
         uint8_t* p2 = P2 + 256 * (r0 + l);
         for (int z = 0; z < 4; ++z) {
             // (q_even + 256 q_odd) * s = q_even s + 256 q_odd s: both products < 256, so the
             // 16-bit multiply gives the bytes' products in place.
-            _mm512_store_si512(p1 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(Q4P.idx[l & 1][z], hi[l / 2])));
-            _mm512_store_si512(p2 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(Q4P.idx[l & 1][z], lo[l / 2])));
+            const __m512i idx = Q4P.idx[PAIRS][l & 1][z];
+            _mm512_store_si512(p1 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(idx, hi[l / 2])));
+            _mm512_store_si512(p2 + 64 * z, _mm512_mullo_epi16(v[z], _mm512_permutexvar_epi16(idx, lo[l / 2])));
         }
     }
 }
@@ -853,12 +884,16 @@ inline void amx_decode_q6k(const BlockQ6K& blk, uint8_t* P1, uint8_t* P2, float*
 
 // Weight rows [0, nr) (nr <= 16) of a chunk against activation groups g0 .. g0 + ng - 1; the
 // result for activation row i (i0 <= i < i1) goes to y[i * ldy + r]. [pf, pf + pf_bytes): the
-// next chunk, prefetched a little at a time while this one is computed.
-template <bool Q4>
+// next chunk, prefetched a little at a time while this one is computed. PROMPT: llama.cpp's
+// prompt arithmetic (Q4_K: one epilogue step per pair of sub-blocks; Q6_K: its tiled epilogue),
+// else Q4_K's per-block epilogue and Q6_K's canonical one.
+template <bool Q4, bool PROMPT>
 void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int g0, int ng, int64_t i0, int64_t i1,
                float* y, int64_t ldy, const uint8_t* pf, int64_t pf_bytes) {
+    constexpr bool PAIRS = Q4 && PROMPT;
+    constexpr int NC = PAIRS ? 4 : 1;  // C1, C2 kept per K step (pair of sub-blocks) or per block
     alignas(64) uint8_t P1[2][16 * 256], P2[2][16 * 256];  // double-buffered: block b+1 is decoded while b's tiles run
-    alignas(64) int32_t C1[16][16], C2[16][16];
+    alignas(64) int32_t C1[NC][16][16], C2[NC][16][16];
     alignas(64) int32_t mins[2][16][4]; // the mins of each row as int16 pairs
     alignas(64) float dd[2][16][2];     // (d, dmin) of each row
     alignas(64) float acc[AMX_GROUPS_MAX][16][16], macc[AMX_GROUPS_MAX][16][16];
@@ -888,7 +923,7 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
         if constexpr (Q4) {
             for (int r0 = 0; r0 < nr; r0 += 4) {
                 prefetch_to(16 + 8 * (r0 / 4 + 1));
-                amx_decode_q4k(W, row_bytes, b, r0, nr, P1[u], P2[u], mins[u], dd[u]);
+                amx_decode_q4k<PAIRS>(W, row_bytes, b, r0, nr, P1[u], P2[u], mins[u], dd[u]);
             }
         } else {
             for (int r = 0; r < nr; ++r) {
@@ -906,54 +941,104 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
         for (int g = 0; g < ng; ++g) {
             const int64_t gb = (int64_t)(g0 + g) * nb + b;
             const int8_t* B = a.bt.data() + gb * 4096;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_loadd(6, B, 64);
-            _tile_loadd(2, p1, 256);
-            _tile_loadd(4, p2, 256);
-            _tile_dpbusd(0, 2, 6);
-            _tile_dpbusd(1, 4, 6);
-            _tile_loadd(7, B + 1024, 64);
-            _tile_loadd(3, p1 + 64, 256);
-            _tile_loadd(5, p2 + 64, 256);
-            _tile_dpbusd(0, 3, 7);
-            _tile_dpbusd(1, 5, 7);
-            _tile_loadd(6, B + 2048, 64);
-            _tile_loadd(2, p1 + 128, 256);
-            _tile_loadd(4, p2 + 128, 256);
-            _tile_dpbusd(0, 2, 6);
-            _tile_dpbusd(1, 4, 6);
-            _tile_loadd(7, B + 3072, 64);
-            _tile_loadd(3, p1 + 192, 256);
-            _tile_loadd(5, p2 + 192, 256);
-            _tile_dpbusd(0, 3, 7);
-            _tile_dpbusd(1, 5, 7);
-            _tile_stored(0, C1, 64);
-            _tile_stored(1, C2, 64);
+            if constexpr (PAIRS) {
+                // one K step per pair, each step's sums stored before the next one starts
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(6, B, 64);
+                _tile_loadd(2, p1, 256);
+                _tile_loadd(4, p2, 256);
+                _tile_dpbusd(0, 2, 6);
+                _tile_dpbusd(1, 4, 6);
+                _tile_stored(0, C1[0], 64);
+                _tile_stored(1, C2[0], 64);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(7, B + 1024, 64);
+                _tile_loadd(3, p1 + 64, 256);
+                _tile_loadd(5, p2 + 64, 256);
+                _tile_dpbusd(0, 3, 7);
+                _tile_dpbusd(1, 5, 7);
+                _tile_stored(0, C1[1], 64);
+                _tile_stored(1, C2[1], 64);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(6, B + 2048, 64);
+                _tile_loadd(2, p1 + 128, 256);
+                _tile_loadd(4, p2 + 128, 256);
+                _tile_dpbusd(0, 2, 6);
+                _tile_dpbusd(1, 4, 6);
+                _tile_stored(0, C1[2], 64);
+                _tile_stored(1, C2[2], 64);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(7, B + 3072, 64);
+                _tile_loadd(3, p1 + 192, 256);
+                _tile_loadd(5, p2 + 192, 256);
+                _tile_dpbusd(0, 3, 7);
+                _tile_dpbusd(1, 5, 7);
+                _tile_stored(0, C1[3], 64);
+                _tile_stored(1, C2[3], 64);
+            } else {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(6, B, 64);
+                _tile_loadd(2, p1, 256);
+                _tile_loadd(4, p2, 256);
+                _tile_dpbusd(0, 2, 6);
+                _tile_dpbusd(1, 4, 6);
+                _tile_loadd(7, B + 1024, 64);
+                _tile_loadd(3, p1 + 64, 256);
+                _tile_loadd(5, p2 + 64, 256);
+                _tile_dpbusd(0, 3, 7);
+                _tile_dpbusd(1, 5, 7);
+                _tile_loadd(6, B + 2048, 64);
+                _tile_loadd(2, p1 + 128, 256);
+                _tile_loadd(4, p2 + 128, 256);
+                _tile_dpbusd(0, 2, 6);
+                _tile_dpbusd(1, 4, 6);
+                _tile_loadd(7, B + 3072, 64);
+                _tile_loadd(3, p1 + 192, 256);
+                _tile_loadd(5, p2 + 192, 256);
+                _tile_dpbusd(0, 3, 7);
+                _tile_dpbusd(1, 5, 7);
+                _tile_stored(0, C1[0], 64);
+                _tile_stored(1, C2[0], 64);
+            }
             if (g == 0 && b + 1 < nb) decode(b + 1, u ^ 1);  // vector work while the tiles run
             const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
             if constexpr (!Q4) {
                 const __m512i bsum = _mm512_slli_epi32(_mm512_loadu_si512(a.bp.data() + gb * 64), 12);
                 for (int r = 0; r < nr; ++r) {
                     if (g == 0) prefetch_to(48 + r + 1);
-                    const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_load_si512(C1[r]), _mm512_slli_epi32(_mm512_load_si512(C2[r]), 8)), bsum);
-                    _mm512_store_ps(acc[g][r], epilogue_q6k_canon(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(dd[u][r][0]), dx, isum));
+                    const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_load_si512(C1[0][r]), _mm512_slli_epi32(_mm512_load_si512(C2[0][r]), 8)), bsum);
+                    const __m512 s = _mm512_load_ps(acc[g][r]), d = _mm512_set1_ps(dd[u][r][0]);
+                    _mm512_store_ps(acc[g][r], PROMPT ? epilogue_q6k_tiled(s, d, dx, isum) : epilogue_q6k_canon(s, d, dx, isum));
                 }
                 continue;
             }
             const int32_t* bp = a.bp.data() + gb * 64;
-            const __m512i bp0 = _mm512_loadu_si512(bp), bp1 = _mm512_loadu_si512(bp + 16);
-            const __m512i bp2 = _mm512_loadu_si512(bp + 32), bp3 = _mm512_loadu_si512(bp + 48);
+            const __m512i bpz[4] = {_mm512_loadu_si512(bp), _mm512_loadu_si512(bp + 16),
+                                    _mm512_loadu_si512(bp + 32), _mm512_loadu_si512(bp + 48)};
             for (int r = 0; r < nr; ++r) {
                 if (g == 0) prefetch_to(48 + r + 1);
-                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C1[r]), 3), _mm512_load_si512(C2[r]));
                 const int32_t* mn = mins[u][r];
-                __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mn[0]), bp0);
-                msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[1]), bp1);
-                msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[2]), bp2);
-                msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[3]), bp3);
+                const __m512 d = _mm512_set1_ps(dd[u][r][0]), dmin = _mm512_set1_ps(dd[u][r][1]);
                 __m512 s = _mm512_load_ps(acc[g][r]), sn = _mm512_load_ps(macc[g][r]);
-                epilogue_q4k(s, sn, _mm512_set1_ps(dd[u][r][0]), _mm512_set1_ps(dd[u][r][1]), dx, isum, msum);
+                if constexpr (PAIRS) {
+                    for (int z = 0; z < 4; ++z) {
+                        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C1[z][r]), 3), _mm512_load_si512(C2[z][r]));
+                        const __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mn[z]), bpz[z]);
+                        epilogue_q4k(s, sn, d, dmin, dx, isum, msum);
+                    }
+                } else {
+                    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(C1[0][r]), 3), _mm512_load_si512(C2[0][r]));
+                    __m512i msum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(mn[0]), bpz[0]);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[1]), bpz[1]);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[2]), bpz[2]);
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(mn[3]), bpz[3]);
+                    epilogue_q4k(s, sn, d, dmin, dx, isum, msum);
+                }
                 _mm512_store_ps(acc[g][r], s);
                 _mm512_store_ps(macc[g][r], sn);
             }
@@ -1189,9 +1274,10 @@ int block_values(int qtype) { return (qtype == T_Q4_K || qtype == T_Q6_K) ? 256 
 
 Act g_act;
 
-// Q4_K calls with at least this many rows take the AMX kernel (0: never): its cost is
-// about flat from 1 to 16 rows, the VNNI kernels' grows with each row (measured on a Sapphire
-// Rapids core, the 1.5B model's weights, one thread: about even at 5 rows).
+// Q4_K calls (and Q6_K ones in the modes it has) with at least this many rows take the AMX
+// kernel (0: never): its cost is about flat from 1 to 16 rows, the VNNI kernels' grows with each
+// row (measured on a Sapphire Rapids core, the 1.5B model's weights, one thread: about even at 5
+// rows for Q4_K's decode arithmetic).
 int g_amx_min_rows = 5;
 int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX
 
@@ -1199,7 +1285,7 @@ int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX
 
 extern "C" {
 
-int spk_abi_version() { return 4; }
+int spk_abi_version() { return 5; }
 
 void spk_set_threads(int n) {
     std::lock_guard<std::mutex> lock(g_call_mu);
@@ -1222,7 +1308,8 @@ int spk_amx_built() {
 #endif
 }
 
-// Calls with at least `rows` rows take the AMX path where available (0: never); returns the old value.
+// Calls with at least `rows` rows take the AMX path where it has the call's type and mode (0:
+// never); returns the old value.
 int spk_set_amx_min_rows(int rows) {
     std::lock_guard<std::mutex> lock(g_call_mu);
     const int old = g_amx_min_rows;
@@ -1249,7 +1336,8 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     const int nb = (int)(k / bv);
     const size_t row_bytes = nb * block_bytes(qtype);
 #ifdef SPK_AMX
-    const bool amx = ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_amx_min_rows > 0 && m >= g_amx_min_rows && amx_ok();
+    // every Q4_K mode, and the Q6_K modes with one integer sum per block
+    const bool amx = (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_amx_min_rows > 0 && m >= g_amx_min_rows && amx_ok();
 #else
     const bool amx = false;
 #endif
@@ -1272,7 +1360,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     }
     auto quantize = [&](int64_t i) {
         if (amx)
-            quantize_q8k_row_amx(i < m ? x + i * k : nullptr, nb, qtype == T_Q4_K, i, a);
+            quantize_q8k_row_amx(i < m ? x + i * k : nullptr, nb, qtype == T_Q4_K, qtype == T_Q4_K && !prompt, i, a);
         else if (bv == 256)
             quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
                              a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
@@ -1310,10 +1398,9 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             const int64_t pf0 = std::min(w_bytes, r1 * (int64_t)row_bytes);
             const int64_t pf1 = std::min(w_bytes, (2 * r1 - r0) * (int64_t)row_bytes);
             const int g0 = (int)(a0 / 16), ng = (int)((a1 - a0 + 15) / 16);
-            if (qtype == T_Q4_K)
-                amx_chunk<true>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
-            else
-                amx_chunk<false>(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
+            const auto chunk = qtype == T_Q4_K ? (prompt ? amx_chunk<true, true> : amx_chunk<true, false>)
+                                               : (prompt ? amx_chunk<false, true> : amx_chunk<false, false>);
+            chunk(W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0, pf1 - pf0);
             return;
         }
 #endif
