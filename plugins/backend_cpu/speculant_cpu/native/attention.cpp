@@ -336,11 +336,8 @@ inline void accumulate(float* acc, const float* vf, int dvp, const float* w, int
 }
 
 // The rest of a block for one pair on the fp32 path (fast_reference's arithmetic), given its
-// scores s, in two steps: the online softmax step (fast_softmax: the block's weights w and the
-// correction of what came before), then the values (fast_values; vf: the block's value rows, dvp
-// apart). The softmax steps of a block's pairs run before their value updates: each is a chain of
-// dependent operations, and side by side their latencies overlap.
-inline float fast_softmax(PairState& st, __m512 s, int ua, int ub, float* w) {
+// scores s: the online softmax step, then the values (vf: the block's value rows, dvp apart).
+inline void fast_block(PairState& st, float* acc, __m512 s, const float* vf, int ua, int ub, int dvp) {
     // keys outside the pair's range weigh exactly 0, whatever the cache holds there
     const __mmask16 valid = (__mmask16)(((1u << ub) - 1) & ~((1u << ua) - 1));
     s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s);
@@ -349,11 +346,8 @@ inline float fast_softmax(PairState& st, __m512 s, int ua, int ub, float* w) {
     const __m512 e = _mm512_maskz_mov_ps(valid, exp16_fast(_mm512_sub_ps(s, _mm512_set1_ps(m))));
     st.S = std::fma(st.S, corr, sum16(e));
     st.M = m;
+    alignas(64) float w[KEY_BLOCK];
     _mm512_store_ps(w, e);
-    return corr;
-}
-
-inline void fast_values(float* acc, const float* w, float corr, const float* vf, int ua, int ub, int dvp) {
     const __m512 cv = _mm512_set1_ps(corr);
     for (int i = 0; i < dvp; i += 128) {
         float* a = acc + i;
@@ -439,17 +433,12 @@ void attend_chunk(int64_t item, void* ctx) {
                     case 2: block_scores<2>(qs, ktbuf.data(), c.dk, s); break;
                     default: block_scores<1>(qs, ktbuf.data(), c.dk, s); break;
                 }
-                alignas(64) float w[4][KEY_BLOCK];
-                float corr[4];
-                int ua[4], ub[4];
                 for (int i = 0; i < P; ++i) {
-                    PairState& st = pairs[active[f + i]];
-                    ua[i] = (int)std::max<int64_t>(0, st.lo - j0);
-                    ub[i] = (int)std::min<int64_t>(nb, st.hi - j0 + 1);
-                    corr[i] = fast_softmax(st, s[i], ua[i], ub[i], w[i]);
+                    const int t = active[f + i];
+                    PairState& st = pairs[t];
+                    const int ua = (int)std::max<int64_t>(0, st.lo - j0), ub = (int)std::min<int64_t>(nb, st.hi - j0 + 1);
+                    fast_block(st, accf.data() + (size_t)t * dvp, s[i], vbuf.data(), ua, ub, dvp);
                 }
-                for (int i = 0; i < P; ++i)
-                    fast_values(accf.data() + (size_t)active[f + i] * dvp, w[i], corr[i], vbuf.data(), ua[i], ub[i], dvp);
             }
         }
         for (const int t : exact) {
