@@ -8,8 +8,8 @@ Three measurements, in one process:
 2. an *oracle* speculator that drafts the answer's own next tokens, so every draft is accepted in
    full: the upper bound the target's verification cost allows, per draft cap (--n-max);
 3. a replay of suffix decoding (contrib/speculant-suffix) along the answer under several
-   policies, each step priced with the forward cost measured by row count at the workload's
-   context length: how many steps each policy needs and what tok/s that implies. No model runs
+   policies, each step priced with the forward cost measured by row count (1 to the largest
+   draft cap + 1) at the workload's context length: how many steps each policy needs and what tok/s that implies. No model runs
    in the replay, so many policies cost nothing.
 
 docs/benchmarks.md ("Why code-edit-bisect stops short of 2x") quotes its output.
