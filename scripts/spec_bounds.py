@@ -60,7 +60,10 @@ def forward_costs(model, context_len: int, max_rows: int, repeats: int = 5) -> d
 
 def replay_suffix(prompt, answer, costs, depth=24, factor=1.0, min_prob=0.1, n_max=16, min_match=0):
     """Suffix drafting along `answer` as the engine would run it without adaptive trimming:
-    (tok/s implied by the costs, steps, drafts that failed at their first token)."""
+    (tok/s implied by the costs, steps, drafts that failed at their first token). The draft is
+    SuffixSpeculator.propose's over the sequence's own index, written out here because the
+    replay also needs the match length (for `min_match`), which the speculator does not expose:
+    keep the two in step."""
     from speculant_suffix.automaton import SuffixAutomaton
 
     index = SuffixAutomaton(depth)

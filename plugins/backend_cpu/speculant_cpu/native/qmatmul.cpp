@@ -941,69 +941,32 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
         for (int g = 0; g < ng; ++g) {
             const int64_t gb = (int64_t)(g0 + g) * nb + b;
             const int8_t* B = a.bt.data() + gb * 4096;
-            if constexpr (PAIRS) {
-                // one K step per pair, each step's sums stored before the next one starts
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_loadd(6, B, 64);
-                _tile_loadd(2, p1, 256);
-                _tile_loadd(4, p2, 256);
-                _tile_dpbusd(0, 2, 6);
-                _tile_dpbusd(1, 4, 6);
-                _tile_stored(0, C1[0], 64);
-                _tile_stored(1, C2[0], 64);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_loadd(7, B + 1024, 64);
-                _tile_loadd(3, p1 + 64, 256);
-                _tile_loadd(5, p2 + 64, 256);
-                _tile_dpbusd(0, 3, 7);
-                _tile_dpbusd(1, 5, 7);
-                _tile_stored(0, C1[1], 64);
-                _tile_stored(1, C2[1], 64);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_loadd(6, B + 2048, 64);
-                _tile_loadd(2, p1 + 128, 256);
-                _tile_loadd(4, p2 + 128, 256);
-                _tile_dpbusd(0, 2, 6);
-                _tile_dpbusd(1, 4, 6);
-                _tile_stored(0, C1[2], 64);
-                _tile_stored(1, C2[2], 64);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_loadd(7, B + 3072, 64);
-                _tile_loadd(3, p1 + 192, 256);
-                _tile_loadd(5, p2 + 192, 256);
-                _tile_dpbusd(0, 3, 7);
-                _tile_dpbusd(1, 5, 7);
-                _tile_stored(0, C1[3], 64);
-                _tile_stored(1, C2[3], 64);
-            } else {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_loadd(6, B, 64);
-                _tile_loadd(2, p1, 256);
-                _tile_loadd(4, p2, 256);
-                _tile_dpbusd(0, 2, 6);
-                _tile_dpbusd(1, 4, 6);
-                _tile_loadd(7, B + 1024, 64);
-                _tile_loadd(3, p1 + 64, 256);
-                _tile_loadd(5, p2 + 64, 256);
-                _tile_dpbusd(0, 3, 7);
-                _tile_dpbusd(1, 5, 7);
-                _tile_loadd(6, B + 2048, 64);
-                _tile_loadd(2, p1 + 128, 256);
-                _tile_loadd(4, p2 + 128, 256);
-                _tile_dpbusd(0, 2, 6);
-                _tile_dpbusd(1, 4, 6);
-                _tile_loadd(7, B + 3072, 64);
-                _tile_loadd(3, p1 + 192, 256);
-                _tile_loadd(5, p2 + 192, 256);
-                _tile_dpbusd(0, 3, 7);
-                _tile_dpbusd(1, 5, 7);
-                _tile_stored(0, C1[0], 64);
-                _tile_stored(1, C2[0], 64);
+            // Four K steps of 64 values, their tiles alternating so that one step's loads overlap
+            // the previous step's products. PAIRS: each step is one pair of sub-blocks, its sums
+            // stored apart before the next step starts; else the block's sums accumulate.
+            for (int z = 0; z < 4; ++z) {
+                if (PAIRS || z == 0) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                }
+                // C1 (tmm0) += plane 1 x B, C2 (tmm1) += plane 2 x B; tile numbers are immediates
+                if (z % 2 == 0) {
+                    _tile_loadd(6, B + 1024 * z, 64);
+                    _tile_loadd(2, p1 + 64 * z, 256);
+                    _tile_loadd(4, p2 + 64 * z, 256);
+                    _tile_dpbusd(0, 2, 6);
+                    _tile_dpbusd(1, 4, 6);
+                } else {
+                    _tile_loadd(7, B + 1024 * z, 64);
+                    _tile_loadd(3, p1 + 64 * z, 256);
+                    _tile_loadd(5, p2 + 64 * z, 256);
+                    _tile_dpbusd(0, 3, 7);
+                    _tile_dpbusd(1, 5, 7);
+                }
+                if (PAIRS || z == 3) {
+                    _tile_stored(0, C1[PAIRS ? z : 0], 64);
+                    _tile_stored(1, C2[PAIRS ? z : 0], 64);
+                }
             }
             if (g == 0 && b + 1 < nb) decode(b + 1, u ^ 1);  // vector work while the tiles run
             const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
