@@ -159,32 +159,42 @@ inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint
 
 // AMX layout: row i of the call goes to lane i % 16 of group i / 16, its values in the order of
 // the weight planes: q4k_order for Q4_K by blocks, natural for Q4_K by pairs of sub-blocks and for
-// Q6_K. x == nullptr: a zero row.
-void quantize_q8k_row_amx(const float* x, int nb, bool q4k, bool q4k_order, int64_t i, Act& a) {
-    const int64_t g = i / 16;
-    const int lane = (int)(i % 16);
-    for (int b = 0; b < nb; ++b) {
-        alignas(64) int8_t q[256];
+// Q6_K; rows past m are zero rows. One work item is block b of group g, all 16 lanes: a B tile
+// interleaves the lanes every 4 bytes, so two threads each writing their own rows into it would
+// fight over every cache line of it (that made quantizing cost more than the matmul on small
+// calls).
+void quantize_q8k_block_amx(const float* x, int64_t m, int64_t k, int nb, bool q4k, bool q4k_order, int64_t g, int b, Act& a) {
+    alignas(64) int8_t q[16][256];
+    int16_t bs16[16][16], bs32[16][8];
+    const int64_t gb = g * nb + b;
+    for (int lane = 0; lane < 16; ++lane) {
+        const int64_t i = g * 16 + lane;
         float d = 0.f;
-        int16_t bs16[16] = {}, bs32[8] = {};
-        if (x) quantize_q8k_block(x + 256 * b, q, &d, bs16, bs32);
-        else std::memset(q, 0, 256);
-        const int64_t gb = g * nb + b;
-        int8_t* bt = a.bt.data() + gb * 4096 + 4 * lane;
-        for (int v = 0; v < 64; ++v) {
-            // q4k_order: within each 128 values, the 32-value segments in the order 0, 2, 1, 3
-            const int w = v % 32, seg = w / 8;
-            const int src = q4k_order ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
-            std::memcpy(bt + 64 * v, q + 4 * src, 4);
+        if (i < m) {
+            quantize_q8k_block(x + i * k + 256 * b, q[lane], &d, bs16[lane], bs32[lane]);
+        } else {
+            std::memset(q[lane], 0, 256);
+            std::memset(bs16[lane], 0, sizeof bs16[lane]);
+            std::memset(bs32[lane], 0, sizeof bs32[lane]);
         }
         a.dt[gb * 16 + lane] = d;
-        int32_t* bp = a.bp.data() + gb * 64 + lane;
+    }
+    // the tile: dword v of every lane, v = 0 .. 63; q4k_order: within each 128 values, the
+    // 32-value segments in the order 0, 2, 1, 3
+    int32_t* bt = (int32_t*)(a.bt.data() + gb * 4096);
+    for (int v = 0; v < 64; ++v) {
+        const int w = v % 32, seg = w / 8;
+        const int src = q4k_order ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
+        for (int lane = 0; lane < 16; ++lane) std::memcpy(bt + 16 * v + lane, q[lane] + 4 * src, 4);
+    }
+    int32_t* bp = a.bp.data() + gb * 64;
+    for (int lane = 0; lane < 16; ++lane) {
         if (q4k) {
-            for (int p = 0; p < 4; ++p) bp[16 * p] = pair16(bs32[2 * p], bs32[2 * p + 1]);
+            for (int p = 0; p < 4; ++p) bp[16 * p + lane] = pair16(bs32[lane][2 * p], bs32[lane][2 * p + 1]);
         } else {
             int s = 0;
-            for (int j = 0; j < 16; ++j) s += bs16[j];
-            bp[0] = s;
+            for (int j = 0; j < 16; ++j) s += bs16[lane][j];
+            bp[lane] = s;
         }
     }
 }
@@ -1308,7 +1318,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     Act& a = g_act;
     a.nb = nb;
     a.bsize = bv;
-    const int64_t groups = (m + 15) / 16, m_pad = amx ? groups * 16 : m;
+    const int64_t groups = (m + 15) / 16;
     if (amx) {
         a.bt.resize((size_t)groups * nb * 4096);
         a.dt.resize((size_t)groups * nb * 16);
@@ -1321,21 +1331,23 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             a.bs32.resize((size_t)m * nb * 8);
         }
     }
+    // Work items: the rows, or for AMX each (group, block) of the B tiles.
+    const int64_t items = amx ? groups * nb : m;
     auto quantize = [&](int64_t i) {
         if (amx)
-            quantize_q8k_row_amx(i < m ? x + i * k : nullptr, nb, qtype == T_Q4_K, qtype == T_Q4_K && !prompt, i, a);
+            quantize_q8k_block_amx(x, m, k, nb, qtype == T_Q4_K, qtype == T_Q4_K && !prompt, i / nb, (int)(i % nb), a);
         else if (bv == 256)
             quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
                              a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
         else
             quantize_q80_row(x + i * k, nb, a.qs.data() + i * nb * 32, a.d.data() + i * nb);
     };
-    if (m < 4) {
-        for (int64_t i = 0; i < m_pad; ++i) quantize(i);
+    if (m < 4 || items < 2) {
+        for (int64_t i = 0; i < items; ++i) quantize(i);
     } else {
         std::atomic<int64_t> next{0};
         p.run([&](int, int) {
-            for (int64_t i; (i = next.fetch_add(1)) < m_pad;) quantize(i);
+            for (int64_t i; (i = next.fetch_add(1)) < items;) quantize(i);
         });
     }
 
