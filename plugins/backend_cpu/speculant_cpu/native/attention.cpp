@@ -335,9 +335,10 @@ inline void accumulate(float* acc, const float* vf, int dvp, const float* w, int
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, x[i]);
 }
 
-// The rest of a block for one pair on the fp32 path (fast_reference's arithmetic), given its
-// scores s: the online softmax step, then the values (vf: the block's value rows, dvp apart).
-inline void fast_block(PairState& st, float* acc, __m512 s, const float* vf, int ua, int ub, int dvp) {
+// The online softmax step of one pair on the fp32 path for a block (fast_reference's
+// arithmetic), given its scores s: the block's weights w (0 outside keys ua..ub-1) and the factor
+// corr that rescales what the pair has accumulated so far.
+inline __m512 softmax_step(PairState& st, __m512 s, int ua, int ub, float* w) {
     // keys outside the pair's range weigh exactly 0, whatever the cache holds there
     const __mmask16 valid = (__mmask16)(((1u << ub) - 1) & ~((1u << ua) - 1));
     s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s);
@@ -346,9 +347,44 @@ inline void fast_block(PairState& st, float* acc, __m512 s, const float* vf, int
     const __m512 e = _mm512_maskz_mov_ps(valid, exp16_fast(_mm512_sub_ps(s, _mm512_set1_ps(m))));
     st.S = std::fma(st.S, corr, sum16(e));
     st.M = m;
-    alignas(64) float w[KEY_BLOCK];
     _mm512_store_ps(w, e);
-    const __m512 cv = _mm512_set1_ps(corr);
+    return _mm512_set1_ps(corr);
+}
+
+// The values of a block for P pairs with the same key range ua..ub-1: acc_i = acc_i * corr_i + sum
+// of w_i[u] V_u, key by key, each accumulator vector of each pair in its own register (the
+// operations of accumulate<> for each pair), every value vector loaded once for the P pairs.
+// Vectors [v0, v0 + NV) of the rows.
+template <int P, int NV>
+inline void accumulate_pairs(float* const* acc, const float* vf, int dvp, const float* const* w, int ua, int ub,
+                             const __m512* corr, int v0) {
+    __m512 x[P][NV];
+    for (int i = 0; i < P; ++i)
+        for (int j = 0; j < NV; ++j) x[i][j] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16 * (v0 + j)), corr[i]);
+    for (int u = ua; u < ub; ++u) {
+        __m512 vu[NV];
+        for (int j = 0; j < NV; ++j) vu[j] = _mm512_loadu_ps(vf + u * dvp + 16 * (v0 + j));
+        for (int i = 0; i < P; ++i) {
+            const __m512 wu = _mm512_set1_ps(w[i][u]);
+            for (int j = 0; j < NV; ++j) x[i][j] = _mm512_fmadd_ps(wu, vu[j], x[i][j]);
+        }
+    }
+    for (int i = 0; i < P; ++i)
+        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc[i] + 16 * (v0 + j), x[i][j]);
+}
+
+// The values of a block for P pairs (P <= 4) that share the key range ua..ub-1.
+template <int P>
+inline void values_shared(float* const* acc, const float* vf, int dvp, const float* const* w, int ua, int ub, const __m512* corr) {
+    constexpr int NV = 16 / P;  // P * NV accumulators in registers
+    const int nvec = dvp / 16;
+    int v0 = 0;
+    for (; v0 + NV <= nvec; v0 += NV) accumulate_pairs<P, NV>(acc, vf, dvp, w, ua, ub, corr, v0);
+    for (; v0 < nvec; ++v0) accumulate_pairs<P, 1>(acc, vf, dvp, w, ua, ub, corr, v0);
+}
+
+// The values of a block for one pair (its own key range).
+inline void values_one(float* acc, const float* vf, int dvp, const float* w, int ua, int ub, __m512 cv) {
     for (int i = 0; i < dvp; i += 128) {
         float* a = acc + i;
         const float* v = vf + i;
@@ -433,11 +469,33 @@ void attend_chunk(int64_t item, void* ctx) {
                     case 2: block_scores<2>(qs, ktbuf.data(), c.dk, s); break;
                     default: block_scores<1>(qs, ktbuf.data(), c.dk, s); break;
                 }
+                // softmax steps, then the values: shared by the pairs when all have the same key
+                // range (every block but a pair's first and last), else pair by pair
+                alignas(64) float w[4][KEY_BLOCK];
+                const float* wp[4];
+                float* accs[4];
+                __m512 corr[4];
+                int ua[4], ub[4];
+                bool same = true;
                 for (int i = 0; i < P; ++i) {
                     const int t = active[f + i];
                     PairState& st = pairs[t];
-                    const int ua = (int)std::max<int64_t>(0, st.lo - j0), ub = (int)std::min<int64_t>(nb, st.hi - j0 + 1);
-                    fast_block(st, accf.data() + (size_t)t * dvp, s[i], vbuf.data(), ua, ub, dvp);
+                    ua[i] = (int)std::max<int64_t>(0, st.lo - j0);
+                    ub[i] = (int)std::min<int64_t>(nb, st.hi - j0 + 1);
+                    corr[i] = softmax_step(st, s[i], ua[i], ub[i], w[i]);
+                    wp[i] = w[i];
+                    accs[i] = accf.data() + (size_t)t * dvp;
+                    same = same && ua[i] == ua[0] && ub[i] == ub[0];
+                }
+                if (same) {
+                    switch (P) {
+                        case 4: values_shared<4>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
+                        case 3: values_shared<3>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
+                        case 2: values_shared<2>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
+                        default: values_shared<1>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
+                    }
+                } else {
+                    for (int i = 0; i < P; ++i) values_one(accs[i], vbuf.data(), dvp, w[i], ua[i], ub[i], corr[i]);
                 }
             }
         }
@@ -519,7 +577,7 @@ void attend_chunk(int64_t item, void* ctx) {
     }
 }
 
-constexpr int64_t MAX_CHUNK_PAIRS = 32;  // a chunk's queries and accumulators stay in L1
+constexpr int64_t MAX_CHUNK_PAIRS = 96;  // a kv head's pairs in one chunk up to 16 rows (qwen2.5: 6 query heads a kv head): its keys and values converted once
 
 }  // namespace
 
