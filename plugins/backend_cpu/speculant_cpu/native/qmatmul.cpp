@@ -266,8 +266,9 @@ inline float hsum8(__m256 v) {
 // canonical epilogue).
 
 // Software prefetch distance for the weight stream: the hardware prefetcher alone leaves a
-// single core at about half of its memory bandwidth on these kernels.
-constexpr int PREFETCH_BYTES = 4096;
+// single core at about half of its memory bandwidth on these kernels. (Measured over the 1.5B
+// model's weights: 3072 against 4096 made 2- and 3-row calls 7% faster, 1 row the same.)
+constexpr int PREFETCH_BYTES = 3072;
 
 inline void prefetch(const void* block, int bytes) {
     const char* p = (const char*)block + PREFETCH_BYTES;
@@ -1149,6 +1150,45 @@ void dot_q4k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
     _mm_storeu_ps(y, _mm_sub_ps(s, sn));
 }
 
+// R activation rows against four weight rows: dot_q4k_w4 for each activation row, with each weight
+// block decoded once for all R. Per output the same operations. (R = 2, a one-token draft's
+// verification: 7% faster than dot_q4k<2> over the 1.5B model's weights; R = 3 gained nothing.)
+template <int R>
+void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    __m128 s[R], sn[R];
+    for (int r = 0; r < R; ++r) s[r] = sn[r] = _mm_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        __m512i acc[R][4];
+        __m128i mm[R][4];
+        float d[4], dmin[4];
+        for (int t = 0; t < 4; ++t) {
+            const BlockQ4K& blk = ((const BlockQ4K*)(row + t * row_bytes))[b];
+            prefetch(&blk, sizeof(BlockQ4K));
+            d[t] = f16(blk.d);
+            dmin[t] = f16(blk.dmin);
+            const __m256i sm = _mm256_cvtepu8_epi16(q4k_scales(blk));
+            const __m512i smz = _mm512_castsi256_si512(sm);
+            const __m512i sc[4] = {_mm512_permutexvar_epi16(Q4.idx[0], smz), _mm512_permutexvar_epi16(Q4.idx[1], smz),
+                                   _mm512_permutexvar_epi16(Q4.idx[2], smz), _mm512_permutexvar_epi16(Q4.idx[3], smz)};
+            __m512i q[4];
+            q4k_values(blk, q);
+            const __m128i mins = _mm256_extracti128_si256(sm, 1);
+            for (int r = 0; r < R; ++r) {
+                const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
+                __m512i x[4];
+                load_x4(a.qs.data() + ab * 256, x);
+                acc[r][t] = scaled_dot4(q, sc, x);
+                mm[r][t] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8)));
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
+            epilogue_q4k(s[r], sn[r], _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc[r]), hsum4(mm[r]));
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + (i0 + r) * ldy, _mm_sub_ps(s[r], sn[r]));
+}
+
 void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; ++b) {
@@ -1399,6 +1439,12 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
                 if (canon) dot_tile_canon(1, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
                 else dot_tile(1, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
             }
+            return;
+        }
+        if (qtype == T_Q4_K && !prompt && a1 - a0 == 2) {  // a one-token draft's verification: as decode
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) dot_q4k_w4_rows<2>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + r, n);
+            for (; r < r1; ++r) dot_tile(2, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
             return;
         }
         for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {
