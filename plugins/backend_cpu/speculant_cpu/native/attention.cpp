@@ -577,7 +577,7 @@ void attend_chunk(int64_t item, void* ctx) {
     }
 }
 
-constexpr int64_t MAX_CHUNK_PAIRS = 96;  // a kv head's pairs in one chunk up to 16 rows (qwen2.5: 6 query heads a kv head): its keys and values converted once
+constexpr int64_t MAX_CHUNK_PAIRS = 288;  // a kv head's pairs in one chunk up to 48 rows (qwen2.5: 6 query heads a kv head): its keys and values converted once
 
 }  // namespace
 
