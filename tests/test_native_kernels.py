@@ -515,7 +515,16 @@ def test_native_norm_rope_swiglu_are_the_torch_arithmetic():
     c64, s64 = rope_tables(positions[:3], 128, 1e6)
     assert torch.allclose(cos[:3], c64, atol=1e-6) and torch.allclose(sin[:3], s64, atol=1e-6)
     gate, up = torch.randn(3, 8960 + 5, generator=gen) * 6, torch.randn(3, 8960 + 5, generator=gen)
-    assert torch.allclose(be.swiglu(gate, up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    together = be.swiglu(gate, up)
+    assert torch.allclose(together, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    # both run on the pool's threads (pieces of a row; RMSNorm's rows eight side by side): a row's
+    # bits do not depend on the rows beside it
+    for i in range(3):
+        assert torch.equal(be.swiglu(gate[i : i + 1], up[i : i + 1])[0], together[i])
+    rows = x.reshape(21, 128)
+    normed = be.rms_norm(rows, w, 1e-6)
+    for i in (0, 7, 8, 20):
+        assert torch.equal(be.rms_norm(rows[i : i + 1], w, 1e-6)[0], normed[i])
 
 
 def test_logit_rows_take_the_kind_of_their_own_positions():
