@@ -266,13 +266,15 @@ inline float hsum8(__m256 v) {
 // canonical epilogue).
 
 // Software prefetch distance for the weight stream: the hardware prefetcher alone leaves a
-// single core at about half of its memory bandwidth on these kernels. (Measured over the 1.5B
-// model's weights: 3072 against 4096 made 2- and 3-row calls 7% faster, 1 row the same.)
-constexpr int PREFETCH_BYTES = 3072;
+// single core at about half of its memory bandwidth on these kernels. Into L2 (T1), well ahead:
+// measured over the 1.5B model's weights, calls alternating in one process, 6144 bytes into L2
+// against 4096 into L1 took 1 row from 49.5 to 45.9 ms and 2 rows from 56.3 to 53.0 (3 and 4 rows
+// the same).
+constexpr int PREFETCH_BYTES = 6144;
 
 inline void prefetch(const void* block, int bytes) {
     const char* p = (const char*)block + PREFETCH_BYTES;
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
 inline float hsum128(__m128 v) {
