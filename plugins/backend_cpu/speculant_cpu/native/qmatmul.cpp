@@ -268,8 +268,8 @@ inline float hsum8(__m256 v) {
 // Software prefetch distance for the weight stream: the hardware prefetcher alone leaves a
 // single core at about half of its memory bandwidth on these kernels. Into L2 (T1), well ahead:
 // measured over the 1.5B model's weights, calls alternating in one process, 6144 bytes into L2
-// against 4096 into L1 took 1 row from 49.5 to 45.9 ms and 2 rows from 56.3 to 53.0 (3 and 4 rows
-// the same).
+// against 3072 into L1 took 1 row from 49.5 to 45.9 ms and 2 rows from 56.3 to 53.0 (3 and 4 rows
+// the same; 3072 into L1 had made 2 and 3 rows 7% faster than 4096).
 constexpr int PREFETCH_BYTES = 6144;
 
 inline void prefetch(const void* block, int bytes) {
