@@ -373,7 +373,7 @@ inline void accumulate_pairs(float* const* acc, const float* vf, int dvp, const 
         for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc[i] + 16 * (v0 + j), x[i][j]);
 }
 
-// The values of a block for P pairs (P <= 4) that share the key range ua..ub-1.
+// The values of a block for P pairs (2 <= P <= 4) that share the key range ua..ub-1.
 template <int P>
 inline void values_shared(float* const* acc, const float* vf, int dvp, const float* const* w, int ua, int ub, const __m512* corr) {
     constexpr int NV = 16 / P;  // P * NV accumulators in registers
@@ -492,7 +492,7 @@ void attend_chunk(int64_t item, void* ctx) {
                         case 4: values_shared<4>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
                         case 3: values_shared<3>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
                         case 2: values_shared<2>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
-                        default: values_shared<1>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
+                        default: values_one(accs[0], vbuf.data(), dvp, w[0], ua[0], ub[0], corr[0]); break;
                     }
                 } else {
                     for (int i = 0; i < P; ++i) values_one(accs[i], vbuf.data(), dvp, w[i], ua[i], ub[i], corr[i]);
