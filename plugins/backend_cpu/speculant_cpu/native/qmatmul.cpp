@@ -1122,44 +1122,21 @@ static_assert(ROW_CHUNK == 16 && ACT_TILE % 16 == 0 && ACT_TILE <= 16 * AMX_GROU
 // reduced together, one transpose-reduce for four results instead of one per result, and the
 // canonical epilogue runs on them lane-wise (lane t: weight row t). Per output the same IEEE
 // operations in the same order as the kernels above, so the bits are the same.
-void dot_q4k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
-    __m128 s = _mm_setzero_ps(), sn = _mm_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-        const int64_t ab = (int64_t)i * a.nb + b;
-        const int8_t* xq = a.qs.data() + ab * 256;
-        __m512i x[4];
-        load_x4(xq, x);
-        const __m128i bs = _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8));
-        __m512i acc[4];
-        __m128i mm[4];
-        float d[4], dmin[4];
-        for (int t = 0; t < 4; ++t) {
-            const BlockQ4K& blk = ((const BlockQ4K*)(row + t * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ4K));
-            d[t] = f16(blk.d);
-            dmin[t] = f16(blk.dmin);
-            const __m256i sm = _mm256_cvtepu8_epi16(q4k_scales(blk));
-            const __m512i smz = _mm512_castsi256_si512(sm);
-            const __m512i sc[4] = {_mm512_permutexvar_epi16(Q4.idx[0], smz), _mm512_permutexvar_epi16(Q4.idx[1], smz),
-                                   _mm512_permutexvar_epi16(Q4.idx[2], smz), _mm512_permutexvar_epi16(Q4.idx[3], smz)};
-            __m512i q[4];
-            q4k_values(blk, q);
-            acc[t] = scaled_dot4(q, sc, x);
-            mm[t] = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bs);
-        }
-        epilogue_q4k(s, sn, _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc), hsum4(mm));
-    }
-    _mm_storeu_ps(y, _mm_sub_ps(s, sn));
-}
-
-// R activation rows against four weight rows: dot_q4k_w4 for each activation row, with each weight
-// block decoded once for all R. Per output the same operations. (R = 2, a one-token draft's
-// verification: 7% faster than dot_q4k<2> over the 1.5B model's weights; R = 3 gained nothing.)
+// R activation rows (1: decode; 2: a one-token draft's verification, 7% faster than dot_q4k<2>
+// over the 1.5B model's weights; 3 gained nothing) against four weight rows, each weight block
+// decoded once for all R. Output y[(i0 + r) * ldy + t] for weight row t.
 template <int R>
 void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     __m128 s[R], sn[R];
     for (int r = 0; r < R; ++r) s[r] = sn[r] = _mm_setzero_ps();
     for (int b = 0; b < nb; ++b) {
+        __m512i x[R][4];
+        __m128i bs[R];
+        for (int r = 0; r < R; ++r) {
+            const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
+            load_x4(a.qs.data() + ab * 256, x[r]);
+            bs[r] = _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8));
+        }
         __m512i acc[R][4];
         __m128i mm[R][4];
         float d[4], dmin[4];
@@ -1176,11 +1153,8 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
             q4k_values(blk, q);
             const __m128i mins = _mm256_extracti128_si256(sm, 1);
             for (int r = 0; r < R; ++r) {
-                const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
-                __m512i x[4];
-                load_x4(a.qs.data() + ab * 256, x);
-                acc[r][t] = scaled_dot4(q, sc, x);
-                mm[r][t] = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8)));
+                acc[r][t] = scaled_dot4(q, sc, x[r]);
+                mm[r][t] = _mm_madd_epi16(mins, bs[r]);
             }
         }
         for (int r = 0; r < R; ++r) {
@@ -1427,7 +1401,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
                 const uint8_t* w4 = W + r * row_bytes;
                 float* y4 = y + a0 * n + r;
                 switch (qtype) {
-                    case T_Q4_K: dot_q4k_w4(w4, row_bytes, nb, a, (int)a0, y4); break;
+                    case T_Q4_K: dot_q4k_w4_rows<1>(w4, row_bytes, nb, a, (int)a0, y + r, n); break;
                     case T_Q6_K:
                         if (canon) dot_q6k_canon_w4(w4, row_bytes, nb, a, (int)a0, y4);
                         else dot_q6k_w4(w4, row_bytes, nb, a, (int)a0, y4);
