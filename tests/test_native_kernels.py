@@ -226,6 +226,13 @@ def test_k_quant_rows_are_llamacpp_arithmetic_whatever_the_row_count_and_path(qt
         assert torch.equal(run(raw, qtype, n, k, x[40:57]), alone[40:57])  # rows at other offsets of a tile
 
 
+def assert_rows_by_kind(got, kinds, bit, prompt, decode):
+    """The rows whose kind has `bit` are `prompt`'s rows, the others `decode`'s, bit for bit."""
+    flagged = torch.from_numpy(kinds & bit != 0)
+    assert torch.equal(got[flagged], prompt[flagged])
+    assert torch.equal(got[~flagged], decode[~flagged])
+
+
 @pytest.mark.parametrize("qtype,n,k", K_SHAPES)
 def test_prompt_rows_take_llamacpp_prompt_arithmetic(qtype, n, k):
     """spk_linear_prompt: flagged rows as llama.cpp computes a prompt (Q4_K: its gemm; Q6_K: its
@@ -238,10 +245,7 @@ def test_prompt_rows_take_llamacpp_prompt_arithmetic(qtype, n, k):
     kinds = np.zeros(len(x), np.uint8)
     kinds[3:30] = bit
     kinds[41:66] = 3
-    got = run_prompt(raw, qtype, n, k, x, kinds)
-    flagged = torch.from_numpy(kinds & bit != 0)
-    assert torch.equal(got[flagged], prompt[flagged])
-    assert torch.equal(got[~flagged], decode[~flagged])
+    assert_rows_by_kind(run_prompt(raw, qtype, n, k, x, kinds), kinds, bit, prompt, decode)
     assert not torch.equal(prompt, decode)  # the two arithmetics do differ on these inputs
     other = run_prompt(raw, qtype, n, k, x, np.full(len(x), 3 - bit, np.uint8))  # the other type's flag: no effect
     assert torch.equal(other, decode)
@@ -287,10 +291,7 @@ def test_prompt_arithmetic_is_the_same_on_both_paths(qtype, n, k, amx_min_rows):
         kinds[2:9] = bit  # runs of prompt rows of 7, 45 and 7 rows between decode rows
         kinds[12:57] = bit
         kinds[63:70] = 3
-        mixed = run_prompt(raw, qtype, n, k, x, kinds)
-        flagged = torch.from_numpy(kinds & bit != 0)
-        assert torch.equal(mixed[flagged], alone[flagged])
-        assert torch.equal(mixed[~flagged], decode[~flagged])
+        assert_rows_by_kind(run_prompt(raw, qtype, n, k, x, kinds), kinds, bit, alone, decode)
 
 
 def test_amx_path_is_taken_where_available(amx_min_rows):
