@@ -50,6 +50,46 @@ class KVCache:
     def drop(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
 
+    def nbytes(self, seq_id: int) -> int:
+        """The memory the sequence's buffers take (their capacity, not only the rows in use)."""
+        s = self.seqs.get(seq_id)
+        return 0 if s is None else sum(t.nbytes for t in s.k + s.v)
+
+    def get_state(self, seq_id: int) -> dict[str, torch.Tensor]:
+        """The sequence's rows as named tensors (for saving to a file): k.L and v.L per layer,
+        [n_kv_heads, length, head_dim]."""
+        s = self.seqs.get(seq_id)
+        n = 0 if s is None else s.length
+        out = {}
+        for layer in range(self.n_layers):
+            out[f"k.{layer}"] = s.k[layer][:, :n].contiguous() if s else torch.zeros(0)
+            out[f"v.{layer}"] = s.v[layer][:, :n].contiguous() if s else torch.zeros(0)
+        return out
+
+    def set_state(self, seq_id: int, state: dict[str, torch.Tensor]) -> int:
+        """Replace the sequence's rows with those of `get_state`; returns their count. A state of
+        another shape (another model) raises ValueError and leaves the sequence as it was."""
+        vd = self.v_head_dim or self.head_dim
+        try:
+            ks = [state[f"k.{layer}"] for layer in range(self.n_layers)]
+            vs = [state[f"v.{layer}"] for layer in range(self.n_layers)]
+        except KeyError as e:
+            raise ValueError(f"the state has no tensor {e.args[0]} ({self.n_layers} layers expected)") from None
+        n = ks[0].shape[1] if ks[0].dim() == 3 else -1
+        for t, d in [(t, self.head_dim) for t in ks] + [(t, vd) for t in vs]:
+            if tuple(t.shape) != (self.n_kv_heads, n, d):
+                raise ValueError(f"a state tensor has shape {tuple(t.shape)}, this model's are ({self.n_kv_heads}, n, {d})")
+        if n > self.max_tokens:
+            raise ValueError(f"the state holds {n} tokens, the context holds {self.max_tokens}")
+        self.drop(seq_id)
+        self.reserve(seq_id, max(n, 1))
+        s = self.seqs[seq_id]
+        for layer in range(self.n_layers):
+            s.k[layer][:, :n] = ks[layer]
+            s.v[layer][:, :n] = vs[layer]
+        s.length = n
+        return n
+
     # --- used by the model's forward ------------------------------------------------------
     def reserve(self, seq_id: int, n_tokens: int) -> None:
         """Make room for the sequence to hold n_tokens in total."""

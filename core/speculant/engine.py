@@ -125,6 +125,13 @@ class Sequence:
     spec: SpecOverride | None = None
     spec_error: str | None = None  # a speculator raised for this sequence: it goes on without speculation
     prefilled: bool = False  # the prompt (all but its last token, which rides with the first step) is in
+    n_reused: int = 0  # prompt tokens whose state came from an earlier request (the prompt cache)
+    # (first row, prompt length) runs: rows from `first row` on were computed for a request whose
+    # prompt had that length (the backend may compute prompt rows by it, see Model.row_classes).
+    row_prompts: tuple[tuple[int, int], ...] = ()
+    # (tokens, handle) states saved at prompt ends, for a recurrent target: the only points a later
+    # request can go back to, since its state cannot be cut.
+    checkpoints: list[tuple[int, Any]] = attrs.field(factory=list)
 
     def prefill_rows(self) -> list[int]:
         """The prompt's next chunk to feed (empty once the prompt is in)."""
@@ -137,6 +144,41 @@ class Sequence:
 
     def view(self) -> SequenceView:
         return SequenceView(self.seq_id, tuple(self.tokens), self.n_prompt)
+
+
+# Prompt-end states a recurrent sequence keeps (llama.cpp's --ctx-checkpoints keeps 32 a slot).
+MAX_CHECKPOINTS = 8
+
+
+@attrs.define(eq=False)
+class CachedPrompt:
+    """A finished sequence's state, kept for a later request to continue from (the prompt cache):
+    the target's rows for `tokens`, and the speculators' state, stay under `seq_id` in their
+    contexts until the entry is resumed or dropped (`Engine.resume`, `Engine.drop_cached`)."""
+
+    seq_id: int
+    tokens: tuple[int, ...]  # whose state the target's context holds, in order
+    row_prompts: tuple[tuple[int, int], ...]
+    checkpoints: list[tuple[int, Any]]
+    n_bytes: int  # the target state's memory (what the server's --cache-ram limit counts)
+    speculators_synced: bool = True  # False: the speculators hold nothing for it (a state loaded from a file)
+
+    def common_prefix(self, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` this entry holds."""
+        n = min(len(self.tokens), len(prompt))
+        i = 0
+        while i < n and self.tokens[i] == prompt[i]:
+            i += 1
+        return i
+
+
+def _per_row(row_prompts: tuple[tuple[int, int], ...], n: int) -> list[int]:
+    """The prompt length each of the first n rows was computed for, from (first row, length) runs."""
+    out = []
+    for i, (a, length) in enumerate(row_prompts):
+        end = row_prompts[i + 1][0] if i + 1 < len(row_prompts) else n
+        out.extend([length] * (min(end, n) - a))
+    return out[:n]
 
 
 class Engine:
@@ -154,19 +196,105 @@ class Engine:
 
     # --- sequences ---------------------------------------------------------------------
     def add(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
-            spec: SpecOverride | None = None) -> Sequence:
+            spec: SpecOverride | None = None, cached: CachedPrompt | None = None) -> Sequence:
+        """Start a sequence. With `cached` (an entry from `keep`), it continues from the longest
+        prefix of the entry that computes exactly as a cold start would (`reusable`): only the
+        rest of the prompt is prefilled, and the speculators get `truncate` instead of `begin`, so
+        their state up to there survives. The entry is used up either way."""
         if not prompt:
             raise LimitError("the prompt is empty")
         if len(prompt) >= self.config.n_ctx:
             raise LimitError(f"prompt has {len(prompt)} tokens, the context holds {self.config.n_ctx} (prompt plus at least one new token)")
         if max_new_tokens < 1:
             raise LimitError(f"max new tokens must be >= 1, got {max_new_tokens}")
-        seq = Sequence(self._next_id, list(prompt), len(prompt), max_new_tokens, Sampler(params), spec=spec)
+        n_reused = self.reusable(cached, prompt) if cached is not None else 0
+        if cached is not None and n_reused == 0:
+            self.drop_cached(cached)
+            cached = None
+        seq_id = cached.seq_id if cached is not None else self._new_id()
+        seq = Sequence(seq_id, list(prompt), len(prompt), max_new_tokens, Sampler(params), spec=spec)
         seq.stats.n_prompt = len(prompt)
-        self._next_id += 1
-        self.sequences[seq.seq_id] = seq
-        self._spec_call(seq, self.chain.begin, seq.view())
+        if cached is None:
+            seq.row_prompts = ((0, len(prompt)),)
+            self.sequences[seq_id] = seq
+            self._spec_call(seq, self.chain.begin, seq.view())
+            return seq
+        self._restore_prefix(cached, n_reused)
+        seq.n_cached = seq.n_reused = n_reused
+        seq.row_prompts = tuple((a, n) for a, n in cached.row_prompts if a < n_reused) + ((n_reused, len(prompt)),)
+        seq.checkpoints = [(n, h) for n, h in cached.checkpoints if n <= n_reused]
+        self.sequences[seq_id] = seq
+        if cached.speculators_synced:
+            self._spec_call(seq, self.chain.truncate, seq.view(), n_reused)
+        else:
+            self._spec_call(seq, self.chain.begin, seq.view())
         return seq
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def reusable(self, cached: CachedPrompt, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` can take their state from `cached` and still compute
+        exactly what a cold start computes: the common prefix (all but the prompt's last token,
+        whose logits are needed), cut where the model would compute a row differently for this
+        prompt than it did for the request that computed it (Model.row_classes), and, for a
+        recurrent target, to the point of a saved state."""
+        n = min(cached.common_prefix(prompt), len(prompt) - 1)
+        if self.recurrent:
+            if n == len(cached.tokens):
+                return n
+            return max((m for m, _ in cached.checkpoints if m <= n), default=0)
+        classes = getattr(self.model, "row_classes", None)
+        if classes is None or n == 0:
+            return n
+        positions = range(n)
+        old = classes(positions, _per_row(cached.row_prompts, n))
+        new = classes(positions, [len(prompt)] * n)
+        if old is None:
+            return n
+        return next((i for i in positions if old[i] != new[i]), n)
+
+    def _restore_prefix(self, cached: CachedPrompt, n: int) -> None:
+        """Cut the entry's target state back to its first n tokens."""
+        if not self.recurrent:
+            self.context.truncate(cached.seq_id, n)
+        elif n < len(cached.tokens):
+            self.context.restore(cached.seq_id, next(h for m, h in cached.checkpoints if m == n))
+
+    def keep(self, seq: Sequence) -> CachedPrompt:
+        """Finish a sequence but keep its state for a later request (`add(..., cached=entry)`)."""
+        self.sequences.pop(seq.seq_id, None)
+        self.controller.forget(seq.seq_id)
+        if seq.saved is not None:  # stopped between a checkpoint and its verification
+            self.context.restore(seq.seq_id, seq.saved)
+            seq.saved = None
+        n_bytes = getattr(self.context, "nbytes", lambda seq_id: 0)(seq.seq_id)
+        return CachedPrompt(seq.seq_id, tuple(seq.tokens[: seq.n_cached]), seq.row_prompts, seq.checkpoints, n_bytes)
+
+    def adopt(self, tokens: list[int], row_prompts: tuple[tuple[int, int], ...], state: dict) -> CachedPrompt:
+        """An entry from a target state saved elsewhere (`context.get_state` of an entry with these
+        tokens and row_prompts, e.g. read back from a file). ValueError if it does not fit."""
+        if self.recurrent or not hasattr(self.context, "set_state"):
+            raise ValueError("this model's state cannot be loaded")
+        seq_id = self._new_id()
+        try:
+            n = self.context.set_state(seq_id, state)
+            if n != len(tokens):
+                raise ValueError(f"the state holds {n} rows for {len(tokens)} tokens")
+        except Exception:
+            self.context.drop(seq_id)
+            raise
+        n_bytes = getattr(self.context, "nbytes", lambda seq_id: 0)(seq_id)
+        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], n_bytes, speculators_synced=False)
+
+    def drop_cached(self, cached: CachedPrompt) -> None:
+        """Free a kept state (target and speculators)."""
+        self.context.drop(cached.seq_id)
+        try:
+            self.chain.end(cached.seq_id)
+        except Exception:  # a speculator failing to free its state must not fail the caller
+            pass
 
     def release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.seq_id, None)
@@ -204,6 +332,8 @@ class Engine:
                     prefill_parts.append((seq, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none", prompt_len=seq.n_prompt)))
                 else:
                     seq.prefilled = True
+                    if self.recurrent and seq.n_cached > seq.n_reused:  # a point a later prompt can resume from
+                        seq.checkpoints = seq.checkpoints[-(MAX_CHECKPOINTS - 1):] + [(seq.n_cached, self.context.save(seq.seq_id))]
         seqs = [seq for seq in active if seq.prefilled]
         drafts = self._propose_all(seqs)
 

@@ -54,6 +54,13 @@ class Model(Protocol):
         hidden states (output of each requested layer) of all rows."""
         ...
 
+    # Optional, for a model whose rows are not all computed alike:
+    #   row_classes(positions, prompt_lens) -> sequence of ints, or None where all rows compute alike.
+    #   Two rows at the same position, of the same tokens, compute the same bits exactly when
+    #   their classes are equal, whatever else is in their batches; `prompt_lens[i]` is the prompt
+    #   length of row i's request (a backend may compute prompt rows as its reference does a prompt).
+    #   The prompt cache reuses a cached row for a new prompt only where the classes agree.
+
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -90,4 +97,5 @@ class Backend(Protocol):
     # Optional, for a backend that computes these its own way (the CPU backend follows llama.cpp's
     # arithmetic); architectures fall back to torch's when absent:
     #   gelu_tanh(x); swiglu(gate, up) = silu(gate) * up;
-    #   rope_tables(positions, head_dim, base, scale) -> (cos, sin) [rows, head_dim / 2].
+    #   rope_tables(positions, head_dim, base, scale) -> (cos, sin) [rows, head_dim / 2];
+    #   row_classes(positions, prompt_lens): as Model.row_classes, for the rows' kernels.

@@ -39,6 +39,9 @@ class ServerConfig:
     max_body_size: int = 16 * 2**20
     defaults: Defaults = attrs.field(factory=Defaults)
     draft_model: str | None = None
+    cache_ram: int | None = 8192 << 20  # bytes of finished prompts' states kept beyond the slots (None: no limit)
+    slot_similarity: float = 0.1  # llama-server's --slot-prompt-similarity
+    slot_save_path: str | None = None
 
 
 class ClientGone(Exception):
@@ -51,7 +54,7 @@ class State:
         self.model = engine.model
         self.tokenizer = engine.model.tokenizer
         self.n_ctx = engine.config.n_ctx
-        self.worker = EngineWorker(engine, config.n_slots, config.queue_size)
+        self.worker = EngineWorker(engine, config.n_slots, config.queue_size, config.cache_ram, config.slot_similarity)
         self.spec_enabled = list(self.worker.spec_types)
         if spec_known is None:
             from speculant.plugins import default_registry
@@ -164,7 +167,8 @@ class _Format:
     @staticmethod
     def usage(done: Done) -> dict:
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens}
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
     def start(self) -> list[dict]:
         return []
@@ -287,7 +291,7 @@ async def generate(request: web.Request, req: GenRequest, fmt_cls) -> web.Stream
         except RuntimeError:  # the loop is closed: nobody is listening any more
             job.cancelled = True
 
-    job = Job(job_id, req.endpoint, prompt, max_new, req.params, req.stops, emit, req.spec)
+    job = Job(job_id, req.endpoint, prompt, max_new, req.params, req.stops, emit, req.spec, req.cache_prompt)
     job.settings = fmt.settings
     try:
         state.worker.submit(job)
@@ -459,7 +463,9 @@ async def slots(request: web.Request):
     state = request.app[STATE]
     out = []
     for i, job in enumerate(list(state.worker.slots)):
-        entry = {"id": i, "n_ctx": state.n_ctx, "speculative": bool(state.spec_enabled), "is_processing": job is not None}
+        kept = state.worker.cache.slots[i]
+        entry = {"id": i, "n_ctx": state.n_ctx, "speculative": bool(state.spec_enabled), "is_processing": job is not None,
+                 "n_cache_tokens": job.seq.n_cached if job is not None and job.seq is not None else len(kept.tokens) if kept else 0}
         if job is not None:
             entry.update(id_task=job.id, params=getattr(job, "settings", {}), prompt_n=len(job.prompt),
                          next_token={"has_next_token": True, "n_decoded": job.n_generated,

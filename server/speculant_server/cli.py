@@ -14,7 +14,7 @@ from speculant.errors import SpeculantError
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from speculant.cli import _int, add_model_args, add_sampling_args, add_spec_args
+    from speculant.cli import _float, _int, add_model_args, add_sampling_args, add_spec_args
 
     add_model_args(p)
     g = p.add_argument_group("server")
@@ -31,6 +31,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-size", type=_int(1), default=16 * 2**20, help="largest request body in bytes (default 16 MiB)")
     g.add_argument("--log-format", choices=("text", "json"), default="text", help="request log lines (default text)")
     g.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
+    g = p.add_argument_group("prompt cache")
+    g.add_argument("-cram", "--cache-ram", type=_int(-1), default=8192, metavar="MiB",
+                   help="memory for the states of finished prompts beyond the slots' own, reused when a later prompt "
+                        "starts the same way (default 8192; -1: no limit; 0: off)")
+    g.add_argument("-sps", "--slot-prompt-similarity", type=_float("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.1,
+                   help="a request goes to the idle slot whose kept state shares the longest prefix with its prompt, "
+                        "if more than this fraction of it; else to the least recently used slot (default 0.1)")
+    g.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="folder for /slots/ID?action=save|restore files (default: those actions are off)")
     add_sampling_args(p)
     add_spec_args(p)
 
@@ -81,7 +90,9 @@ def cmd_serve(args) -> int:
     keys = tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip())
     defaults = Defaults(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed), args.n_predict)
     server_config = ServerConfig(n_slots=args.parallel, queue_size=args.queue_size, api_keys=keys, alias=args.alias,
-                                 max_body_size=args.max_body_size, defaults=defaults, draft_model=args.spec_draft_model)
+                                 max_body_size=args.max_body_size, defaults=defaults, draft_model=args.spec_draft_model,
+                                 cache_ram=None if args.cache_ram < 0 else args.cache_ram << 20,
+                                 slot_similarity=args.slot_prompt_similarity, slot_save_path=args.slot_save_path)
     app = create_app(engine, server_config)
 
     def announce(message: str = "", *_):  # aiohttp's "Running on http://HOST:PORT" names the port bound

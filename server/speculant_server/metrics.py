@@ -28,6 +28,8 @@ class ServerCollector:
             return GaugeMetricFamily(p + name, doc, value=value)
 
         yield counter("prompt_tokens", "Number of prompt tokens processed.", t.prompt_tokens)
+        yield counter("prompt_tokens_cached", "Number of prompt tokens taken from the prompt cache instead of processed.",
+                      t.prompt_tokens_cached)
         yield counter("prompt_seconds", "Prompt process time.", t.prompt_seconds)
         yield counter("tokens_predicted", "Number of generation tokens processed.", t.predicted_tokens)
         yield counter("tokens_predicted_seconds", "Predict process time.", t.predicted_seconds)

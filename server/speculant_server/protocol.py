@@ -154,6 +154,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     spec: SpecOverride | None = None
+    cache_prompt: bool = True  # llama-server's: continue from a kept state sharing a prefix with the prompt
 
 
 def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:
@@ -257,7 +258,8 @@ def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], k
     keys = ("n_predict", "max_tokens") if endpoint == "completion" else ("max_completion_tokens", "max_tokens")
     return GenRequest(endpoint, max_tokens=_max_tokens(body, keys, defaults.n_predict),
                       params=sampling_params(body, defaults.params), stops=get_stop(body), stream=stream,
-                      include_usage=include_usage, spec=spec_override(body, enabled, known))
+                      include_usage=include_usage, spec=spec_override(body, enabled, known),
+                      cache_prompt=get_bool(body, "cache_prompt", True))
 
 
 def parse_chat(body: dict, defaults: Defaults, enabled: list[str], known: list[str]) -> GenRequest:

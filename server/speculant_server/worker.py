@@ -24,6 +24,7 @@ from speculant.errors import LimitError
 from speculant.sampling import SamplingParams
 
 from speculant_server.protocol import ApiError
+from speculant_server.slot_cache import SlotCache
 from speculant_server.text import TextPipeline
 
 log = structlog.get_logger("speculant.server")
@@ -42,6 +43,7 @@ class Done:
     completion_tokens: int
     timings: dict
     slot: int
+    cached_tokens: int = 0  # of the prompt, taken from the prompt cache
 
 
 @attrs.define(eq=False)
@@ -54,6 +56,7 @@ class Job:
     stops: list[str]
     emit: Callable[[tuple], None]
     spec: SpecOverride | None = None
+    cache_prompt: bool = True  # continue from a kept state sharing a prefix with the prompt (llama-server's field)
     settings: dict = attrs.field(factory=dict)  # what /slots shows
     cancelled: bool = False
     finished: bool = False
@@ -70,7 +73,8 @@ class Job:
 class Totals:
     """Counters over the server's life, read by the /metrics collector (plain numbers: reads are atomic)."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prefilled, the tokens taken from the prompt cache not counted (as llama-server)
+    prompt_tokens_cached: int = 0  # taken from the prompt cache instead
     prompt_seconds: float = 0.0
     predicted_tokens: int = 0
     predicted_seconds: float = 0.0
@@ -84,9 +88,11 @@ class Totals:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, n_slots: int, queue_size: int):
+    def __init__(self, engine: Engine, n_slots: int, queue_size: int, cache_ram: int | None = 8192 << 20,
+                 slot_similarity: float = 0.1):
         self.engine = engine
         self.n_slots = n_slots
+        self.cache = SlotCache(engine, n_slots, cache_ram, slot_similarity)
         self.queue_size = queue_size
         self.tokenizer = engine.model.tokenizer
         self.slots: list[Job | None] = [None] * n_slots
@@ -172,7 +178,9 @@ class EngineWorker:
             while self._pending and free:
                 job = self._pending.popleft()
                 if not job.cancelled:
-                    admit.append((free.pop(0), job))
+                    slot = self.cache.pick_slot(job.prompt, free) if job.cache_prompt else self.cache.pick_slot([], free)
+                    free.remove(slot)
+                    admit.append((slot, job))
         for slot, job in admit:
             self._start(job, slot)
         for job in self._active():
@@ -201,14 +209,17 @@ class EngineWorker:
         return True
 
     def _start(self, job: Job, slot: int) -> None:
+        cached = self.cache.take(slot, job.prompt, job.cache_prompt)
         try:
-            seq = self.engine.add(job.prompt, job.max_new_tokens, job.params, job.spec)
-        except LimitError as e:
+            seq = self.engine.add(job.prompt, job.max_new_tokens, job.params, job.spec, cached=cached)
+        except LimitError as e:  # raised before the entry is touched: the slot keeps it
+            self.cache.put(slot, cached)
             job.finished = True
             job.emit(("error", ApiError(400, str(e))))
             return
         except Exception as e:
             log.exception("could not start a request", id=job.id)
+            self.cache.put(slot, cached)
             job.finished = True
             job.emit(("error", ApiError(500, f"could not start the request: {type(e).__name__}: {e}")))
             return
@@ -237,24 +248,30 @@ class EngineWorker:
         elif seq.finish_reason is not None:
             self._finish(job, seq.finish_reason, "eos" if seq.finish_reason == "stop" else "limit", "")
 
-    def _release(self, job: Job) -> None:
+    def _release(self, job: Job, keep: bool = False) -> None:
+        """Free the job's slot; `keep`: its sequence's state stays with the slot for the next
+        request (the prompt cache), else it is dropped."""
         job.finished = True
         if self.slots[job.slot] is job:
             self.slots[job.slot] = None
         try:
-            self.engine.release(job.seq)
+            if keep:
+                self.cache.put(job.slot, self.engine.keep(job.seq))
+            else:
+                self.engine.release(job.seq)
         except Exception:
             log.exception("releasing a sequence failed", id=job.id)
 
     def _timings(self, job: Job, t_end: float) -> dict:
-        n_prompt, n = len(job.prompt), job.n_generated
+        n_cached, n = job.seq.n_reused, job.n_generated
+        n_prompt = len(job.prompt) - n_cached  # prefilled (llama-server's prompt_n)
         t_first = job.t_first or t_end
         prompt_ms = (t_first - job.t_start) * 1e3
         predicted_ms = (t_end - t_first) * 1e3 if job.t_first else 0.0
         stats = job.seq.stats
         return {
-            "cache_n": 0, "prompt_n": n_prompt, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / n_prompt, "prompt_per_second": n_prompt / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+            "cache_n": n_cached, "prompt_n": n_prompt, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / max(1, n_prompt), "prompt_per_second": n_prompt / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
             "predicted_n": n, "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / n if n else 0.0,
             "predicted_per_second": n / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
@@ -266,7 +283,8 @@ class EngineWorker:
         timings = self._timings(job, t_end)
         seq = job.seq
         t = self.totals
-        t.prompt_tokens += len(job.prompt)
+        t.prompt_tokens += timings["prompt_n"]
+        t.prompt_tokens_cached += timings["cache_n"]
         t.prompt_seconds += timings["prompt_ms"] / 1e3
         t.predicted_tokens += job.n_generated
         t.predicted_seconds += timings["predicted_ms"] / 1e3
@@ -276,10 +294,12 @@ class EngineWorker:
         else:
             t.requests_finished += 1
         # Free the slot only once the totals count the request: /slots showing it idle while
-        # /metrics does not yet count it would be a window where the two disagree.
-        self._release(job)
+        # /metrics does not yet count it would be a window where the two disagree. The state
+        # stays with the slot, cancelled or not: its rows are right as far as they go.
+        self._release(job, keep=True)
         types = self.spec_types if seq.spec is None or seq.spec.types is None else list(seq.spec.types)
         log.info("request", id=job.id, endpoint=job.endpoint, slot=job.slot, prompt_tokens=len(job.prompt),
+                 cached_tokens=seq.n_reused,
                  completion_tokens=job.n_generated, finish_reason=finish_reason,
                  queued_ms=round((job.t_start - job.t_queued) * 1e3, 1), prompt_ms=round(timings["prompt_ms"], 1),
                  predicted_ms=round(timings["predicted_ms"], 1), tok_s=round(timings["predicted_per_second"], 2),
@@ -288,7 +308,8 @@ class EngineWorker:
         if seq.spec_error:
             log.warning("speculator failed; the request went on with plain decoding", id=job.id, error=seq.spec_error)
         if finish_reason != "cancelled":
-            job.emit(("done", Done(finish_reason, stop_type, word, len(job.prompt), job.n_generated, timings, job.slot)))
+            job.emit(("done", Done(finish_reason, stop_type, word, len(job.prompt), job.n_generated, timings, job.slot,
+                                       seq.n_reused)))
 
     def _fail(self, job: Job, error: ApiError) -> None:
         self.totals.requests_failed += 1

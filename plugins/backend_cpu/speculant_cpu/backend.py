@@ -16,13 +16,6 @@ from speculant_cpu import native
 
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
 GROUP = 32
-# Rows per sequence up to which attention runs one query row at a time. Per-row attention sees
-# exactly keys 0..p for the row at position p whatever else is in the batch, so its result is
-# bit-identical between plain decoding (1 row) and verification (k rows). Longer runs are prompt
-# prefills, which are the same in both modes, and take one batched call.
-PER_ROW_ATTENTION_MAX = 128
-# llama.cpp's default micro-batch (n_ubatch): the rows of a prompt it computes together.
-LLAMA_UBATCH = 512
 # From this many rows in a batch llama.cpp's attention takes a tiled float32 path we do not
 # reproduce, so a prompt batch that long cannot come out as llama.cpp's anyway: its rows take the
 # fast kernels (the prompt-row kernels run without AMX: three times slower on a long prompt).
@@ -185,33 +178,14 @@ class CpuBackend:
     @contextlib.contextmanager
     def batch(self, batch, prompt: bool = True):
         """A forward's layers run inside this scope: it says how each row's linear layers are
-        computed (spk_linear_prompt). llama.cpp takes a prompt in batches of LLAMA_UBATCH rows; in a
-        batch it computes Q4_K for the rows that fill whole groups of four with its gemm kernels
-        (the rest with its gemv, which every decode row takes), and Q6_K with its tiled matmul when
-        the batch has eight rows or more: so do we, for prompt batches shorter than
-        LLAMA_FA_TILE_Q. Where llama.cpp's result cannot be had anyway (longer prompt batches, and
-        rows past LLAMA_SPLIT_KV), Q6_K takes the kernels that AMX can run.
-
-        Which applies to a row follows from its position and its sequence's prompt length alone,
-        so plain decoding and speculation compute every row the same way. `prompt=False`: every
-        row as a decode row (llama.cpp's last layer computes its FFN for the rows that want logits
-        only). Scopes nest: the previous marking comes back when an inner scope ends."""
-        kinds = None
-        if self.native is not None:
-            lens = batch.prompt_lens or (0,) * len(batch)
-            flags = []
-            for p, n in zip(batch.positions, lens):
-                kind = 4 if p >= LLAMA_SPLIT_KV else 0
-                if prompt and p < n:
-                    start = p - p % LLAMA_UBATCH
-                    size = min(start + LLAMA_UBATCH, n) - start  # the rows of p's prompt batch
-                    if size < LLAMA_FA_TILE_Q:
-                        kind |= int(p < start + size // 4 * 4) | 2 * int(size >= 8)
-                    else:
-                        kind = 4
-                flags.append(kind)
-            if any(flags):
-                kinds = np.array(flags, np.uint8)
+        computed (spk_linear_prompt), by `row_classes`. Which applies to a row follows from its
+        position and its sequence's prompt length alone, so plain decoding and speculation compute
+        every row the same way. `prompt=False`: every row as a decode row (llama.cpp's last layer
+        computes its FFN for the rows that want logits only). Scopes nest: the previous marking
+        comes back when an inner scope ends."""
+        kinds = self.row_classes(batch.positions, batch.prompt_lens or (0,) * len(batch), prompt)
+        if kinds is not None and not kinds.any():
+            kinds = None
         outer = self.row_kinds, self.row_kinds_ptr, self._modes
         self.row_kinds = kinds
         self.row_kinds_ptr = kinds.ctypes.data if kinds is not None else None
@@ -223,6 +197,32 @@ class CpuBackend:
             yield
         finally:
             self.row_kinds, self.row_kinds_ptr, self._modes = outer
+
+    def row_classes(self, positions, prompt_lens, prompt: bool = True) -> np.ndarray | None:
+        """How each row is computed (spk_linear_prompt's kinds), from its position and its
+        sequence's prompt length alone; None without the native library (every row alike).
+
+        - A prompt shorter than LLAMA_FA_TILE_Q is one llama.cpp batch of under 64 rows: its rows
+          take llama.cpp's prompt arithmetic (Q4_K's gemm for the rows filling whole groups of
+          four, Q6_K's tiled matmul from eight rows), its decode rows llama.cpp's decode
+          arithmetic up to LLAMA_SPLIT_KV, and the kernels llama.cpp cannot be matched with past it.
+        - A sequence whose prompt is LLAMA_FA_TILE_Q tokens or longer cannot come out as
+          llama.cpp's anyway (its prompt attention is llama.cpp's tiled path), so all its rows,
+          prompt and decode, take the fast kernels (kind 4). That makes a row's kind the same
+          whether it was computed as a prompt row or a decode row, which is what lets the next
+          request reuse the rows a previous one generated (the prompt cache) and still compute
+          exactly what a cold start computes."""
+        if self.native is None:
+            return None
+        kinds = np.empty(len(positions), np.uint8)
+        for i, (p, n) in enumerate(zip(positions, prompt_lens)):
+            if n >= LLAMA_FA_TILE_Q or p >= LLAMA_SPLIT_KV:
+                kinds[i] = 4
+            elif prompt and p < n:
+                kinds[i] = int(p < n // 4 * 4) | 2 * int(n >= 8)
+            else:
+                kinds[i] = 0
+        return kinds
 
     def row_mode(self, qtype: int, rows: int) -> int | None:
         """The kernel mode of spk_linear_mode for a call of `rows` rows inside the current `batch`
@@ -296,10 +296,14 @@ class CpuBackend:
         return dequantize(weight.data, weight.qtype, weight.shape)
 
     def attention(self, q, k, v, positions, scale, window=0):
+        """Every row on its own: the row at position p sees exactly keys 0..p (the last `window`),
+        whatever else is in the batch, so a row's result is the same in a prompt chunk of any
+        size, in plain decoding and in verification. That is what keeps speculation exact, and
+        what lets a prompt continue from cached rows with a cold start's bits (the prompt cache)."""
         n_rows, n_head, head_dim = q.shape
         n_kv = k.shape[0]
         group = n_head // n_kv
-        if n_rows <= PER_ROW_ATTENTION_MAX and k.dtype == torch.float16 and self.native is not None:
+        if k.dtype == torch.float16 and self.native is not None:
             q = q.to(torch.float32).contiguous()
             out = torch.empty(n_rows, n_head, v.shape[-1])
             pos = positions.to(torch.int64).contiguous()
@@ -307,20 +311,11 @@ class CpuBackend:
                                              v.data_ptr(), k.stride(0), v.stride(0), pos.data_ptr(), window, scale,
                                              out.data_ptr(), 1, LLAMA_SPLIT_KV) == 0:
                 return out
-        if k.dtype != q.dtype:  # a long prompt chunk over the fp16 cache: one batched call in float32
+        if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if n_rows <= PER_ROW_ATTENTION_MAX:
-            out = []
-            for i, p in enumerate(positions.tolist()):
-                lo = max(0, p + 1 - window) if window else 0
-                qi = q[i].view(n_kv, group, head_dim)  # the heads sharing a kv head are its query rows
-                out.append(F.scaled_dot_product_attention(qi, k[:, lo : p + 1], v[:, lo : p + 1], scale=scale))
-            return torch.stack(out).view(n_rows, n_head, -1)
-        key_pos = torch.arange(k.shape[1])
-        mask = key_pos[None, :] <= positions[:, None]
-        if window:
-            mask &= key_pos[None, :] > positions[:, None] - window
-        qg = q.view(n_rows, n_kv, group, head_dim).permute(1, 0, 2, 3).reshape(n_kv, n_rows * group, head_dim)
-        mask = mask.repeat_interleave(group, dim=0)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-        return o.view(n_kv, n_rows, group, -1).permute(1, 0, 2, 3).reshape(n_rows, n_head, -1)
+        out = []
+        for i, p in enumerate(positions.tolist()):
+            lo = max(0, p + 1 - window) if window else 0
+            qi = q[i].view(n_kv, group, head_dim)  # the heads sharing a kv head are its query rows
+            out.append(F.scaled_dot_product_attention(qi, k[:, lo : p + 1], v[:, lo : p + 1], scale=scale))
+        return torch.stack(out).view(n_rows, n_head, -1)

@@ -107,6 +107,11 @@ class DecoderModel:
         self.config, self.info, self.tokenizer, self.backend = config, info, tokenizer, backend
         self.embed, self.blocks, self.out_norm, self.output = embed, blocks, out_norm, output
 
+    def row_classes(self, positions, prompt_lens):
+        """How the backend computes each row (None: every row alike), see Model.row_classes."""
+        classes = getattr(self.backend, "row_classes", None)
+        return None if classes is None else classes(positions, prompt_lens)
+
     def new_context(self, max_tokens: int) -> KVCache:
         c = self.config
         return KVCache(c.n_layers, c.n_kv_head, c.head_dim, max_tokens, dtype=self.backend.kv_dtype, device=self.backend.device)

@@ -1,0 +1,92 @@
+"""Which kept state a new request continues from: llama-server's prompt cache, on the engine's
+``CachedPrompt`` entries.
+
+Each slot keeps the state of its last request. A new request goes to the idle slot whose state
+shares the longest prefix with its prompt, if that prefix is more than `similarity` of the prompt
+(llama-server's ``--slot-prompt-similarity``), else to the least recently used idle slot. The
+slot's own state is continued from when it shares enough with the prompt; otherwise it moves,
+whole, to a host-memory LRU (``--cache-ram``), and the request takes the entry of that LRU that
+shares most with it, if any. States cost nothing to move here: they stay where they are in
+memory, only their owner changes. Only the engine thread calls this.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+from speculant.engine import CachedPrompt, Engine
+
+
+class SlotCache:
+    def __init__(self, engine: Engine, n_slots: int, ram_bytes: int | None, similarity: float):
+        """`ram_bytes`: the LRU's size limit (None: no limit, 0: no LRU, a slot's state that is
+        not continued is dropped)."""
+        self.engine = engine
+        self.ram_bytes = ram_bytes
+        self.similarity = similarity
+        self.slots: list[CachedPrompt | None] = [None] * n_slots
+        self.last_used = [0.0] * n_slots
+        self.ram: collections.OrderedDict[int, CachedPrompt] = collections.OrderedDict()  # by seq id, oldest first
+
+    @property
+    def ram_used(self) -> int:
+        return sum(e.n_bytes for e in self.ram.values())
+
+    def _shared(self, entry: CachedPrompt | None, prompt: list[int]) -> int:
+        return 0 if entry is None else entry.common_prefix(prompt)
+
+    def pick_slot(self, prompt: list[int], free: list[int]) -> int:
+        """The idle slot for `prompt`: the one whose state shares the longest prefix with it,
+        above the similarity threshold, else the least recently used."""
+        best, best_len = None, 0
+        for i in free:
+            n = self._shared(self.slots[i], prompt)
+            if n > best_len and n / max(1, len(prompt)) > self.similarity:
+                best, best_len = i, n
+        if best is not None:
+            return best
+        return min(free, key=lambda i: self.last_used[i])
+
+    def take(self, slot: int, prompt: list[int], use_cache: bool = True) -> CachedPrompt | None:
+        """The entry the request on `slot` continues from (None: a cold start). Whatever the slot
+        held and the request does not continue from goes to the LRU."""
+        self.last_used[slot] = time.monotonic()
+        own, self.slots[slot] = self.slots[slot], None
+        if not use_cache:
+            self._to_ram(own)
+            return None
+        n_own = self._shared(own, prompt)
+        if own is not None and n_own / max(1, len(prompt)) <= self.similarity:
+            self._to_ram(own)
+            own, n_own = None, 0
+        best = max(self.ram.values(), key=lambda e: e.common_prefix(prompt), default=None)
+        if best is not None and self._shared(best, prompt) > n_own:
+            del self.ram[best.seq_id]
+            self._to_ram(own)
+            return best
+        return own
+
+    def put(self, slot: int, entry: CachedPrompt | None) -> None:
+        """The state `slot`'s request leaves behind (None: nothing to keep)."""
+        self._to_ram(self.slots[slot])
+        self.slots[slot] = entry
+        self.last_used[slot] = time.monotonic()
+
+    def erase(self, slot: int) -> int:
+        """Drop the slot's state; returns how many tokens it held."""
+        entry, self.slots[slot] = self.slots[slot], None
+        if entry is None:
+            return 0
+        self.engine.drop_cached(entry)
+        return len(entry.tokens)
+
+    def _to_ram(self, entry: CachedPrompt | None) -> None:
+        if entry is None:
+            return
+        if not entry.tokens or self.ram_bytes == 0 or (self.ram_bytes is not None and entry.n_bytes > self.ram_bytes):
+            self.engine.drop_cached(entry)
+            return
+        self.ram[entry.seq_id] = entry
+        while self.ram_bytes is not None and self.ram_used > self.ram_bytes:
+            _, oldest = self.ram.popitem(last=False)
+            self.engine.drop_cached(oldest)
