@@ -35,13 +35,17 @@ class SlotCache:
     def _shared(self, entry: CachedPrompt | None, prompt: list[int]) -> int:
         return 0 if entry is None else entry.common_prefix(prompt)
 
+    def _similar(self, entry: CachedPrompt | None, prompt: list[int]) -> bool:
+        """llama-server's rule: the shared prefix is more than `similarity` of the prompt."""
+        return self._shared(entry, prompt) / max(1, len(prompt)) > self.similarity
+
     def pick_slot(self, prompt: list[int], free: list[int]) -> int:
         """The idle slot for `prompt`: the one whose state shares the longest prefix with it,
         above the similarity threshold, else the least recently used."""
         best, best_len = None, 0
         for i in free:
             n = self._shared(self.slots[i], prompt)
-            if n > best_len and n / max(1, len(prompt)) > self.similarity:
+            if n > best_len and self._similar(self.slots[i], prompt):
                 best, best_len = i, n
         if best is not None:
             return best
@@ -55,15 +59,17 @@ class SlotCache:
         if not use_cache:
             self._to_ram(own)
             return None
-        n_own = self._shared(own, prompt)
-        if own is not None and n_own / max(1, len(prompt)) <= self.similarity:
-            self._to_ram(own)
-            own, n_own = None, 0
+        # Too little in common is not worth giving up the rest of a state for.
+        n_own = self._shared(own, prompt) if self._similar(own, prompt) else 0
+        # Look in the LRU before the slot's own state goes there: it could push out the best match.
         best = max(self.ram.values(), key=lambda e: e.common_prefix(prompt), default=None)
-        if best is not None and self._shared(best, prompt) > n_own:
+        if best is not None and self._similar(best, prompt) and self._shared(best, prompt) > n_own:
             del self.ram[best.seq_id]
             self._to_ram(own)
             return best
+        if n_own == 0:
+            self._to_ram(own)
+            return None
         return own
 
     def put(self, slot: int, entry: CachedPrompt | None) -> None:
@@ -81,6 +87,7 @@ class SlotCache:
         return len(entry.tokens)
 
     def _to_ram(self, entry: CachedPrompt | None) -> None:
+        """Move a state to the LRU (dropped if it does not fit), oldest states out past the limit."""
         if entry is None:
             return
         if not entry.tokens or self.ram_bytes == 0 or (self.ram_bytes is not None and entry.n_bytes > self.ram_bytes):
