@@ -110,7 +110,15 @@ class SpeculatorSpec:
 
     @hookspec
     def truncate(self, seq: SequenceView, n: int) -> None:
-        """The sequence's history was cut to its first ``n`` tokens; forget everything after."""
+        """The sequence's history was cut to its first ``n`` tokens; forget everything after.
+
+        Also how a sequence continues into a new request (the prompt cache): the engine keeps
+        a finished sequence's state, and a later request whose prompt starts the same way
+        continues it under the same ``seq.seq_id``. It calls ``truncate`` instead of ``begin``,
+        with ``seq`` the new request (``seq.tokens`` its prompt, ``seq.n_prompt`` its length):
+        keep what you hold for the first ``n`` tokens, and take the tokens past ``n`` as new,
+        as you take tokens that ``accept`` appends. ``end`` is called only when the kept state
+        is finally dropped, which may be several requests later."""
 
     @hookspec
     def checkpoint(self, seq: SequenceView, action: str) -> None:

@@ -165,6 +165,13 @@ class Driver:
         del self.tokens[seq_id][n:]
         self.hook.truncate(seq=self.view(seq_id), n=n)
 
+    def resume(self, seq_id: int, text: list[int], n_prompt: int, n: int) -> None:
+        """A new request continues the sequence (the prompt cache): its prompt text[:n_prompt]
+        shares the first n tokens with the history; the target then continues with text."""
+        assert text[:n] == self.tokens[seq_id][:n]
+        self.tokens[seq_id], self.n_prompt[seq_id], self.scripts[seq_id] = list(text[:n_prompt]), n_prompt, list(text)
+        self.hook.truncate(seq=self.view(seq_id), n=n)
+
     def end(self, seq_id: int) -> None:
         self.hook.end(seq_id=seq_id)
         for d in (self.tokens, self.n_prompt, self.scripts):

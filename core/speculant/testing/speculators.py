@@ -186,6 +186,22 @@ class SpeculatorContract:
         assert diff is None, f"after truncate({cut}) the speculator still used the cut tokens: {diff}"
         self.require_drafts(a.drafts(since=mark), "the sequence after the truncate")
 
+    def test_continues_into_a_new_request(self, driver):
+        """The prompt cache: a later request whose prompt starts with the sequence's first n
+        tokens and goes on with new text continues it, through truncate(n) with the new prompt
+        as the history (no begin). It goes on drafting, on the new text too."""
+        text, other = self.texts(11, 2)
+        a = driver()
+        a.begin(0, text, 30)
+        a.run(0, 80)
+        n = 60
+        new = text[:n] + other
+        a.resume(0, new, n + 40, n)
+        mark = len(a.log)
+        a.run(0, len(new))
+        assert a.tokens[0] == new, "the driver did not follow the script"
+        self.require_drafts(a.drafts(since=mark), "the request continued from a kept state")
+
     def test_sequences_do_not_leak(self, driver, shared):
         """A sequence drafts the same whether or not other sequences run alongside it (drafted
         in the same batch, begun, truncated, ended). (For shared speculators the others use
