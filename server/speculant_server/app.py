@@ -20,7 +20,7 @@ from aiohttp import web
 from speculant.engine import Engine
 from speculant.gguf.chat_template import CHATML_TEMPLATE
 
-from speculant_server import metrics
+from speculant_server import metrics, slot_files
 from speculant_server.protocol import (ApiError, Defaults, GenRequest, bad, get_bool, get_str, get_tokens, parse_chat,
                                        parse_completion, parse_json, parse_messages)
 from speculant_server.worker import Done, EngineWorker, Job, QueueFull
@@ -476,6 +476,59 @@ async def slots(request: web.Request):
     return _json(out)
 
 
+async def _on_engine(state: State, fn):
+    """fn() on the engine thread between two steps (the only thread that may touch the engine)."""
+    return await asyncio.wrap_future(state.worker.call(fn))
+
+
+async def slot_action(request: web.Request):
+    """llama-server's POST /slots/ID?action=save|restore|erase. The files are read and written in
+    the executor, not on the engine thread: a slot file is tens of MB, and other slots' requests
+    go on generating meanwhile; only copying the state out or in runs between two engine steps."""
+    state = request.app[STATE]
+    action, raw, n_slots = request.query.get("action"), request.match_info["id_slot"], state.config.n_slots
+    if action not in ("save", "restore", "erase"):
+        raise bad("the 'action' query parameter is required: save, restore or erase" if action is None
+                  else f"'action' must be save, restore or erase, got {action!r}", param="action")
+    if not (raw.isascii() and raw.isdigit() and len(raw) < 10 and int(raw) < n_slots):
+        raise bad(f"there is no slot {raw!r}: slot ids are 0 to {n_slots - 1}", param="id_slot")
+    slot, worker = int(raw), state.worker
+    if action == "erase":
+        n = await _on_engine(state, lambda: slot_files.erase(worker, slot))
+        log.info("slot erased", slot=slot, n_tokens=n)
+        return _json({"id_slot": slot, "n_erased": n})
+    folder = state.config.slot_save_path
+    if not folder:
+        raise ApiError(501, f"slot {action} is off: start the server with --slot-save-path DIR")
+    if state.engine.recurrent or not hasattr(state.engine.context, "get_state"):
+        raise ApiError(501, f"slot {action} is not supported for this model: its state cannot be saved to a file")
+    filename = slot_files.check_filename((await read_json(request)).get("filename"))
+    path, meta = slot_files.path_in(folder, filename), slot_files.model_meta(state.model)
+    t0 = time.perf_counter()
+    try:
+        if action == "save":
+            snap = await _on_engine(state, lambda: slot_files.snapshot(worker, slot))
+            n, n_bytes = len(snap.tokens), await _blocking(slot_files.write, path, snap, meta)
+        else:
+            try:
+                snap, n_bytes = await _blocking(slot_files.read, path, filename, meta, int(meta["n_vocab"]),
+                                                slot_files.max_file_bytes(state.engine.context))
+            except FileNotFoundError:
+                raise ApiError(404, f"there is no slot file '{filename}' in the --slot-save-path folder") from None
+            n = await _on_engine(state, lambda: slot_files.install(worker, slot, snap, filename))
+    except slot_files.SlotFileError as e:
+        raise bad(str(e)) from None
+    except IsADirectoryError:
+        raise bad(f"'{filename}' is a folder in the --slot-save-path folder, not a slot file") from None
+    except OSError as e:  # the server's disk or permissions (the folder is gone, ...), not the request
+        raise ApiError(500, f"could not {action} slot file '{filename}': {e.strerror or e}") from None
+    ms = (time.perf_counter() - t0) * 1e3
+    log.info(f"slot {action}d", slot=slot, filename=filename, n_tokens=n, n_bytes=n_bytes, ms=round(ms, 1))
+    if action == "save":
+        return _json({"id_slot": slot, "filename": filename, "n_saved": n, "n_written": n_bytes, "timings": {"save_ms": ms}})
+    return _json({"id_slot": slot, "filename": filename, "n_restored": n, "n_read": n_bytes, "timings": {"restore_ms": ms}})
+
+
 async def metrics_handler(request: web.Request):
     from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -513,5 +566,6 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig(), spec_known
         r.add_get(path, health)
     r.add_get("/props", props)
     r.add_get("/slots", slots)
+    r.add_post("/slots/{id_slot}", slot_action)
     r.add_get("/metrics", metrics_handler)
     return app

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import socket
 import sys
@@ -63,6 +64,21 @@ def configure_logging(fmt: str = "text") -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # aiohttp's own warnings and errors
 
 
+def slot_folder(path: str) -> str:
+    """--slot-save-path as an absolute path, the folder created if missing; SpeculantError if it
+    cannot be, so that a typo fails at start-up rather than at the first save."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise SpeculantError(f"--slot-save-path {path} is not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise SpeculantError(f"cannot create --slot-save-path {path}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SpeculantError(f"--slot-save-path {path} is not writable")
+    return folder
+
+
 def cmd_serve(args) -> int:
     import structlog
     from aiohttp import web
@@ -81,6 +97,7 @@ def cmd_serve(args) -> int:
             pass
     except OSError as e:
         raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    slot_save_path = slot_folder(args.slot_save_path) if args.slot_save_path else None
 
     model = load(args)
     config, speculators = engine_setup(args, model)  # a missing or incompatible draft model fails here
@@ -92,7 +109,7 @@ def cmd_serve(args) -> int:
     server_config = ServerConfig(n_slots=args.parallel, queue_size=args.queue_size, api_keys=keys, alias=args.alias,
                                  max_body_size=args.max_body_size, defaults=defaults, draft_model=args.spec_draft_model,
                                  cache_ram=None if args.cache_ram < 0 else args.cache_ram << 20,
-                                 slot_similarity=args.slot_prompt_similarity, slot_save_path=args.slot_save_path)
+                                 slot_similarity=args.slot_prompt_similarity, slot_save_path=slot_save_path)
     app = create_app(engine, server_config)
 
     def announce(message: str = "", *_):  # aiohttp's "Running on http://HOST:PORT" names the port bound

@@ -21,8 +21,8 @@ SPEC_N_LIMIT = 64  # as --spec-draft-n-max
 
 class ApiError(Exception):
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-             500: "server_error", 503: "unavailable_error"}
+             404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+             413: "invalid_request_error", 500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
 
     def __init__(self, status: int, message: str, type: str | None = None, **extra: Any):
         super().__init__(message)

@@ -8,13 +8,17 @@ sequence's new tokens into text (UTF-8 completed, stop strings cut) that it hand
 
 Events a job receives, in order: ("start", slot), then ("text", str) any number of times, then
 either ("done", Done) or ("error", ApiError). A cancelled job receives nothing more.
+
+Other work on the engine or the slot cache (the slot actions save, restore, erase) goes through
+``call``: the engine thread runs it between two steps and hands back its result or exception.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 import structlog
@@ -99,6 +103,7 @@ class EngineWorker:
         self.totals = Totals()
         self.spec_types = [getattr(s, "spec_type", type(s).__name__) for s in engine.chain.speculators]
         self._pending: collections.deque[Job] = collections.deque()
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # see call()
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="speculant-engine", daemon=True)
@@ -137,6 +142,19 @@ class EngineWorker:
             self._pending.append(job)
             self._cond.notify()
 
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between two steps, before waiting requests are admitted
+        (only that thread may touch the engine and the slot cache); the future gets its result or
+        exception (await it with asyncio.wrap_future). A future cancelled before its turn is skipped."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                future.set_exception(ApiError(503, "the server is shutting down"))
+                return future
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
     def cancel(self, job: Job) -> None:
         """The client is gone: drop the job if it waits, else release its sequence before the next step."""
         job.cancelled = True
@@ -163,16 +181,27 @@ class EngineWorker:
             self._fail(job, ApiError(503, "the server is shutting down"))
         with self._cond:
             waiting, self._pending = list(self._pending), collections.deque()
+            calls, self._calls = self._calls, []
         for job in waiting:
             job.emit(("error", ApiError(503, "the server is shutting down")))
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ApiError(503, "the server is shutting down"))
 
     def _iteration(self) -> bool:
         """Admit, drop cancelled jobs, run one step and deliver its tokens. False: stop."""
         with self._cond:
-            while not self._stopping and not self._pending and not self._active():
+            while not self._stopping and not self._pending and not self._active() and not self._calls:
                 self._cond.wait()
             if self._stopping:
                 return False
+            calls, self._calls = self._calls, []
+        # Before admission: a call sees the slots as the last step left them (a restore into a
+        # slot that is about to get a request would otherwise pass its idle check), and a request
+        # admitted now sees what the call did (it continues from a restored state).
+        for fn, future in calls:
+            self._call(fn, future)
+        with self._cond:
             admit = []
             free = [i for i, j in enumerate(self.slots) if j is None]
             while self._pending and free:
@@ -207,6 +236,14 @@ class EngineWorker:
                 log.exception("delivering tokens failed", id=job.id)
                 self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
         return True
+
+    def _call(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():  # the caller is gone
+            return
+        try:
+            future.set_result(fn())
+        except Exception as e:  # the caller's to handle; the engine thread goes on
+            future.set_exception(e)
 
     def _start(self, job: Job, slot: int) -> None:
         cached = self.cache.take(slot, job.prompt, job.cache_prompt)
