@@ -84,7 +84,9 @@ def test_hidden_states_reach_accept():
     engine = Engine(ToyModel(), EngineConfig(n_ctx=256), [spec])
     list(engine.generate(PROMPT, 10))
     assert spec.hidden_seen
-    for n_draft, hidden in spec.hidden_seen:  # the step's rows: the last token plus the draft
+    (n_draft, hidden), *later = spec.hidden_seen
+    assert hidden[1].shape == (len(PROMPT) + n_draft, 8)  # the first step carries the (short) prompt
+    for n_draft, hidden in later:  # the step's rows: the last token plus the draft
         assert hidden[1].shape == (1 + n_draft, 8)
     assert any(n_draft > 0 for n_draft, _ in spec.hidden_seen)
 

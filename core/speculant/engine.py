@@ -22,9 +22,9 @@ from speculant.sampling import Sampler, SamplingParams
 from speculant.types import Batch, Draft, DraftLimits, DraftRequest, SequenceView
 from speculant.verify import verify
 
-# Prompt rows per forward. A prompt is fed in chunks of exactly this size (and its rest), one
-# chunk per step, so that the other sequences keep decoding while a long prompt is prefilled;
-# the chunks depend only on the prompt, so its numbers do not depend on what else is running.
+# Prompt rows per forward. A prompt is fed in chunks of this size, one chunk per step, so that the
+# other sequences keep decoding while a long prompt is prefilled; the rest rides with the
+# sequence's first decode step. A row computes the same in any chunk (Model.row_classes).
 PREFILL_CHUNK = 512
 
 
@@ -124,7 +124,7 @@ class Sequence:
     saved: Any = None  # recurrent-state checkpoint taken before verifying a draft
     spec: SpecOverride | None = None
     spec_error: str | None = None  # a speculator raised for this sequence: it goes on without speculation
-    prefilled: bool = False  # the prompt (all but its last token, which rides with the first step) is in
+    prefilled: bool = False  # the prompt's chunks but its last (which rides with the first step) are in
     n_reused: int = 0  # prompt tokens whose state came from an earlier request (the prompt cache)
     # (first row, prompt length) runs: rows from `first row` on were computed for a request whose
     # prompt had that length (the backend may compute prompt rows by it, see Model.row_classes).
@@ -328,7 +328,10 @@ class Engine:
         for seq in active:
             if not seq.prefilled:  # a new prompt; replayed rows of a recurrent state ride with the step
                 rows = seq.prefill_rows()
-                if rows:
+                # The prompt's last chunk rides with its first decode step (one forward less
+                # before the first token): a row computes the same in either (Model.row_classes).
+                # A recurrent target takes it alone, to save its state at the prompt's end.
+                if len(rows) == PREFILL_CHUNK or (rows and self.recurrent):
                     prefill_parts.append((seq, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none", prompt_len=seq.n_prompt)))
                 else:
                     seq.prefilled = True
@@ -355,8 +358,8 @@ class Engine:
         t0 = time.perf_counter()
         out = self.model.forward(batch, self.context, self.chain.hidden_layers)
         dt = time.perf_counter() - t0
-        if not prefill_parts:  # the cost model is of verification rows alone
-            self.controller.observe_forward(len(batch), dt)
+        if not prefill_parts and len(batch) == len(seqs) + sum(len(d) for d in drafts.values() if d):
+            self.controller.observe_forward(len(batch), dt)  # the cost model is of verification rows alone
         for seq, b in prefill_parts:
             seq.n_cached += len(b)
             seq.stats.prompt_seconds += dt

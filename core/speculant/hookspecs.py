@@ -106,7 +106,9 @@ class SpeculatorSpec:
         one token of its own; ``seq.tokens`` is the new history. ``draft`` is None on a step
         without a draft, or was made by another speculator of the chain. ``hidden`` maps
         each layer the speculator asked for (``hidden_layers``) to the target's hidden states
-        of this step's rows, [rows, n_embd]."""
+        of this step's rows, [rows, n_embd]: the rows fed since the last step (on a
+        sequence's first step, the part of its prompt that was not prefilled before, at most
+        512 rows, with its last token), then the draft's."""
 
     @hookspec
     def truncate(self, seq: SequenceView, n: int) -> None:
