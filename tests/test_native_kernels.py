@@ -212,18 +212,36 @@ def k_quant_case(qtype, n, k):
 K_SHAPES = [(Q.Q4_K, 37, 1536), (Q.Q6_K, 45, 1536), (Q.Q4_K, 21, 8960), (Q.Q6_K, 19, 8960)]
 
 
+@pytest.fixture
+def tiled_min_rows():
+    """Set the row count from which Q4_K calls that do not take AMX take q4k_tiled; restored afterwards."""
+    old = lib.spk_set_tiled_min_rows(0)
+    lib.spk_set_tiled_min_rows(old)
+    yield lib.spk_set_tiled_min_rows
+    lib.spk_set_tiled_min_rows(old)
+
+
 @pytest.mark.parametrize("qtype,n,k", K_SHAPES)
-def test_k_quant_rows_are_llamacpp_arithmetic_whatever_the_row_count_and_path(qtype, n, k, amx_min_rows):
+def test_k_quant_rows_are_llamacpp_arithmetic_whatever_the_row_count_and_path(qtype, n, k, amx_min_rows, tiled_min_rows):
     raw, x = k_quant_case(qtype, n, k)
     expected = torch.from_numpy((llamacpp_q4k if qtype == Q.Q4_K else llamacpp_q6k)(raw, n, k, x, False))
     amx_min_rows(0)  # the VNNI kernels only
+    tiled_min_rows(0)
     alone = torch.cat([run(raw, qtype, n, k, x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(alone, expected)
-    for threshold in (0, 1, 4):  # never AMX, always AMX (even 1 row), the default kind of split
-        amx_min_rows(threshold)
+    # never AMX or tiled; tiled from 1 row (Q4_K on the AMX layout without AMX); the default split;
+    # always AMX (even 1 row; where the CPU has it)
+    for amx, tiled in ((0, 0), (0, 1), (0, 4), (1, 0), (4, 0)):
+        amx_min_rows(amx)
+        tiled_min_rows(tiled)
         for m in (1, 2, 3, 4, 8, 9, 16, 17, 33, 70):
-            assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows, AMX from {threshold} rows"
+            assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows, AMX from {amx} rows, tiled from {tiled}"
         assert torch.equal(run(raw, qtype, n, k, x[40:57]), alone[40:57])  # rows at other offsets of a tile
+    if qtype == Q.Q4_K:
+        tiled_min_rows(1)
+        amx_min_rows(0)
+        run(raw, qtype, n, k, x[:3])
+        assert lib.spk_last_path() == 3  # the tiled kernel did run
 
 
 def assert_rows_by_kind(got, kinds, bit, prompt, decode):
@@ -294,17 +312,21 @@ def test_prompt_arithmetic_is_the_same_on_both_paths(qtype, n, k, amx_min_rows):
         assert_rows_by_kind(run_prompt(raw, qtype, n, k, x, kinds), kinds, bit, alone, decode)
 
 
-def test_amx_path_is_taken_where_available(amx_min_rows):
+def test_amx_path_is_taken_where_available(amx_min_rows, tiled_min_rows):
     rng = np.random.default_rng(3)
     raw = quantize(rng.standard_normal((32, 512)).astype(np.float32), Q.Q4_K)
     x = rng.standard_normal((16, 512)).astype(np.float32)
     amx_min_rows(4)
+    tiled_min_rows(8)
     run(raw, Q.Q4_K, 32, 512, x[:1])
     assert lib.spk_last_path() == 1  # VNNI
     run(raw, Q.Q4_K, 32, 512, x)
-    expected = 2 if lib.spk_amx_available() else 1
+    expected = 2 if lib.spk_amx_available() else 3  # AMX, else VNNI on the AMX layout
     assert lib.spk_last_path() == expected
     amx_min_rows(0)
+    run(raw, Q.Q4_K, 32, 512, x)
+    assert lib.spk_last_path() == 3
+    tiled_min_rows(0)
     run(raw, Q.Q4_K, 32, 512, x)
     assert lib.spk_last_path() == 1
     raw80 = quantize(rng.standard_normal((32, 512)).astype(np.float32), Q.Q8_0)
@@ -475,20 +497,26 @@ def test_vector_exp_has_the_bits_of_libm_expf():
 
 
 @pytest.mark.parametrize("n,k", [(45, 1536), (19, 8960)])
-def test_q6k_canonical_rows_are_row_invariant_on_both_paths(n, k, amx_min_rows):
+def test_q6k_canonical_rows_are_row_invariant_on_both_paths(n, k, amx_min_rows, tiled_min_rows):
     """Kind bit 2 (rows past llama.cpp's split-attention point): Q6_K through the canonical
-    epilogue, which the AMX kernel shares; a row's bits do not depend on the rows beside it or
-    on the path, and the value is the float64 product to float32 accuracy."""
+    epilogue, which the AMX kernel and the tiled VNNI kernel share; a row's bits do not depend on
+    the rows beside it or on the path, and the value is the float64 product to float32 accuracy."""
     raw, x = k_quant_case(Q.Q6_K, n, k)
     amx_min_rows(0)
+    tiled_min_rows(0)
     alone = torch.cat([run_mode(raw, Q.Q6_K, n, k, x[i : i + 1], 2) for i in range(len(x))])
     weights = dequantize(raw, Q.Q6_K, (n, k)).double().numpy()
     expected = np.stack([q8k_reference(r) for r in x]) @ weights.T
     assert np.abs(alone.numpy() - expected).max() <= 4e-6 * np.abs(expected).max()
-    for threshold in (0, 1, 4):
-        amx_min_rows(threshold)
+    for amx, tiled in ((0, 0), (0, 1), (0, 8), (1, 0), (4, 0)):
+        amx_min_rows(amx)
+        tiled_min_rows(tiled)
         for m in (1, 3, 4, 8, 9, 16, 17, 70):
-            assert torch.equal(run_mode(raw, Q.Q6_K, n, k, x[:m], 2), alone[:m]), f"{m} rows, AMX from {threshold} rows"
+            assert torch.equal(run_mode(raw, Q.Q6_K, n, k, x[:m], 2), alone[:m]), f"{m} rows, AMX from {amx}, tiled from {tiled}"
+    amx_min_rows(0)
+    tiled_min_rows(1)
+    run_mode(raw, Q.Q6_K, n, k, x[:2], 2)
+    assert lib.spk_last_path() == 3  # the tiled kernel did run
     kinds = np.where(np.arange(len(x)) % 3 == 0, 4, 0).astype(np.uint8)  # mixed with llama.cpp-decode rows
     mixed = run_prompt(raw, Q.Q6_K, n, k, x, kinds)
     canon = torch.from_numpy(kinds == 4)

@@ -89,6 +89,8 @@ struct Act {
     std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of the sums of each 32 values [4][16]
                                 //                  (pair p: sub-blocks 2p, 2p+1);
                                 //                  Q6_K: the sums of all 256 values [16]
+    std::vector<int32_t> bq;    // Q6_K for q6k_tiled: [group, nb, 8, 16]: int16 pairs of the sums of
+                                // each 16 values (pair p: 2p, 2p+1); empty otherwise
 };
 
 // llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude (the first
@@ -188,6 +190,11 @@ void quantize_q8k_block_amx(const float* x, int64_t m, int64_t k, int nb, bool q
         for (int lane = 0; lane < 16; ++lane) std::memcpy(bt + 16 * v + lane, q[lane] + 4 * src, 4);
     }
     int32_t* bp = a.bp.data() + gb * 64;
+    if (!q4k && !a.bq.empty()) {
+        int32_t* bq = a.bq.data() + gb * 128;
+        for (int lane = 0; lane < 16; ++lane)
+            for (int p = 0; p < 8; ++p) bq[16 * p + lane] = pair16(bs16[lane][2 * p], bs16[lane][2 * p + 1]);
+    }
     for (int lane = 0; lane < 16; ++lane) {
         if (q4k) {
             for (int p = 0; p < 4; ++p) bp[16 * p + lane] = pair16(bs32[lane][2 * p], bs32[lane][2 * p + 1]);
@@ -777,6 +784,164 @@ bool amx_ok() {
     return ok;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Q4_K on VNNI with the activations in the AMX layout (CPUs without AMX, from a few rows): the 16
+// rows of an activation group sit in the 16 int32 lanes of a zmm, four bytes each (value v of
+// row i at dword [v/4][i], q4k_order), and each weight dword is broadcast against them. A lane's
+// sum then collects one (weight row, activation row) pair with no horizontal reduction: per 32
+// values, 8 vpdpbusd give the sub-block's exact sum, which its 6-bit scale multiplies. That is the
+// same integer isum and msum as dot_q4k's, and the same canonical epilogue lane-wise, so the bits
+// are the other kernels' (the tests compare them).
+constexpr int TILED_GROUPS_MAX = 4;  // activation groups of a work item: ACT_TILE / 16
+
+// The sub-block of each 32-byte run of q4k_values' bytes: zmm z holds sub-blocks (0,2), (1,3), (4,6), (5,7).
+constexpr int Q4K_RUN_SUB[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+// Up to R = 8 weight rows against ng activation groups: eight independent vpdpbusd chains (their
+// latency needs about that many), each activation zmm loaded once for the eight rows (zmm loads
+// are what runs out first), each weight block decoded once for all the groups.
+constexpr int TILED_ROWS = 8;
+
+void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0, int64_t i1,
+                    float* y, int64_t ldy) {
+    constexpr int R = TILED_ROWS;
+    alignas(64) uint8_t qb[R][256];
+    alignas(16) uint8_t scm[R][16];  // [sc0..sc7, mn0..mn7] of each row
+    alignas(64) float acc[TILED_GROUPS_MAX][R][16], macc[TILED_GROUPS_MAX][R][16];
+    float d[R] = {}, dmin[R] = {};
+    std::memset(qb, 0, sizeof qb);  // rows past nr stay zero: their sums are 0
+    std::memset(scm, 0, sizeof scm);
+    for (int g = 0; g < ng; ++g)
+        for (int r = 0; r < R; ++r) {
+            _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
+            _mm512_store_ps(macc[g][r], _mm512_setzero_ps());
+        }
+    for (int b = 0; b < nb; ++b) {
+        for (int r = 0; r < nr; ++r) {
+            const BlockQ4K& blk = ((const BlockQ4K*)(W + r * row_bytes))[b];
+            prefetch(&blk, sizeof(BlockQ4K));
+            d[r] = f16(blk.d);
+            dmin[r] = f16(blk.dmin);
+            _mm_store_si128((__m128i*)scm[r], q4k_scales(blk));
+            __m512i q[4];
+            q4k_values(blk, q);
+            for (int z = 0; z < 4; ++z) _mm512_store_si512(qb[r] + 64 * z, q[z]);
+        }
+        for (int g = 0; g < ng; ++g) {
+            const int64_t gb = (g0 + g) * nb + b;
+            const int8_t* B = a.bt.data() + gb * 4096;  // not 64-aligned: loadu
+            __m512i isum[R];
+            for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+            for (int k = 0; k < 8; ++k) {  // the 32-value runs, one sub-block each
+                __m512i c[R];
+                for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
+                for (int t = 0; t < 8; ++t) {
+                    const __m512i bz = _mm512_loadu_si512(B + 64 * (8 * k + t));
+                    for (int r = 0; r < R; ++r) {
+                        int32_t w;
+                        std::memcpy(&w, qb[r] + 32 * k + 4 * t, 4);
+                        c[r] = _mm512_dpbusd_epi32(c[r], _mm512_set1_epi32(w), bz);
+                    }
+                }
+                const int sub = Q4K_RUN_SUB[k];
+                for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(c[r], _mm512_set1_epi32(scm[r][sub])));
+            }
+            const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
+            const int32_t* bp = a.bp.data() + gb * 64;
+            const __m512i bpz[4] = {_mm512_loadu_si512(bp), _mm512_loadu_si512(bp + 16),
+                                    _mm512_loadu_si512(bp + 32), _mm512_loadu_si512(bp + 48)};
+            for (int r = 0; r < nr; ++r) {
+                const uint8_t* mn = scm[r] + 8;
+                __m512i msum = _mm512_setzero_si512();
+                for (int p = 0; p < 4; ++p)
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(pair16(mn[2 * p], mn[2 * p + 1])), bpz[p]);
+                __m512 s = _mm512_load_ps(acc[g][r]), sn = _mm512_load_ps(macc[g][r]);
+                epilogue_q4k(s, sn, _mm512_set1_ps(d[r]), _mm512_set1_ps(dmin[r]), dx, isum[r], msum);
+                _mm512_store_ps(acc[g][r], s);
+                _mm512_store_ps(macc[g][r], sn);
+            }
+        }
+    }
+    for (int g = 0; g < ng; ++g)
+        for (int lane = 0; lane < 16; ++lane) {
+            const int64_t i = (g0 + g) * 16 + lane;
+            if (i < i0 || i >= i1) continue;
+            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane] - macc[g][r][lane];
+        }
+}
+
+// Weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX).
+
+// Q6_K's canonical form (Q6K_CANON) the same way: per 16 values, 4 vpdpbusd of the unsigned 6-bit
+// values give sum q x, its int8 scale multiplies it, and the -32 offset comes off at the end as
+// 32 * sum_j sc_j * bsum16_j (the activations' 16-value sums, from the quantizer): the same exact
+// isum as dot_q6k_canon's, and its epilogue lane-wise.
+void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0, int64_t i1,
+                    float* y, int64_t ldy) {
+    constexpr int R = TILED_ROWS;
+    alignas(64) uint8_t qb[R][256];
+    alignas(16) int8_t scs[R][16];
+    alignas(64) float acc[TILED_GROUPS_MAX][R][16];
+    float d[R] = {};
+    std::memset(qb, 0, sizeof qb);
+    std::memset(scs, 0, sizeof scs);
+    for (int g = 0; g < ng; ++g)
+        for (int r = 0; r < R; ++r) _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
+    for (int b = 0; b < nb; ++b) {
+        for (int r = 0; r < nr; ++r) {
+            const BlockQ6K& blk = ((const BlockQ6K*)(W + r * row_bytes))[b];
+            prefetch(&blk, sizeof(BlockQ6K));
+            d[r] = f16(blk.d);
+            std::memcpy(scs[r], blk.scales, 16);
+            __m512i q[4];
+            q6k_values(blk, q);
+            for (int z = 0; z < 4; ++z) _mm512_store_si512(qb[r] + 64 * z, q[z]);
+        }
+        for (int g = 0; g < ng; ++g) {
+            const int64_t gb = (g0 + g) * nb + b;
+            const int8_t* B = a.bt.data() + gb * 4096;
+            __m512i isum[R];
+            for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+            for (int j = 0; j < 16; ++j) {
+                __m512i c[R];
+                for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
+                for (int t = 0; t < 4; ++t) {
+                    const __m512i bz = _mm512_loadu_si512(B + 64 * (4 * j + t));
+                    for (int r = 0; r < R; ++r) {
+                        int32_t w;
+                        std::memcpy(&w, qb[r] + 16 * j + 4 * t, 4);
+                        c[r] = _mm512_dpbusd_epi32(c[r], _mm512_set1_epi32(w), bz);
+                    }
+                }
+                for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(c[r], _mm512_set1_epi32(scs[r][j])));
+            }
+            const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
+            const int32_t* bq = a.bq.data() + gb * 128;
+            for (int r = 0; r < nr; ++r) {
+                __m512i corr = _mm512_setzero_si512();
+                for (int p = 0; p < 8; ++p)
+                    corr = _mm512_dpwssd_epi32(corr, _mm512_set1_epi32(pair16(scs[r][2 * p], scs[r][2 * p + 1])), _mm512_loadu_si512(bq + 16 * p));
+                const __m512i v = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(corr, 5));
+                _mm512_store_ps(acc[g][r], epilogue_q6k_canon(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(d[r]), dx, v));
+            }
+        }
+    }
+    for (int g = 0; g < ng; ++g)
+        for (int lane = 0; lane < 16; ++lane) {
+            const int64_t i = (g0 + g) * 16 + lane;
+            if (i < i0 || i >= i1) continue;
+            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane];
+        }
+}
+
+// Weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX).
+void linear_tiled(int qtype, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
+                  int64_t i1, float* y, int64_t ldy) {
+    const auto kernel = qtype == T_Q4_K ? q4k_tiled_rows : q6k_tiled_rows;
+    for (int r = 0; r < nr; r += TILED_ROWS)
+        kernel(W + r * row_bytes, row_bytes, nb, std::min(TILED_ROWS, nr - r), a, g0, ng, i0, i1, y + r, ldy);
+}
+
 #ifdef SPK_AMX
 
 struct alignas(64) TileCfg {
@@ -1268,7 +1433,10 @@ Act g_act;
 // row (measured on a Sapphire Rapids core, the 1.5B model's weights, one thread: about even at 5
 // rows for Q4_K's decode arithmetic).
 int g_amx_min_rows = 5;
-int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX
+// Q4_K calls in its decode arithmetic and Q6_K ones in its canonical form with at least this many
+// rows that do not take AMX take the tiled VNNI kernels (0: never).
+int g_tiled_min_rows = 8;
+int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX, 3 VNNI on the AMX layout
 
 }  // namespace
 
@@ -1306,7 +1474,16 @@ int spk_set_amx_min_rows(int rows) {
     return old;
 }
 
-// Which path the last spk_linear call took: 1 the VNNI kernels, 2 the AMX kernel.
+// As spk_set_amx_min_rows, for the tiled VNNI kernels (q4k_tiled_rows, q6k_tiled_rows: activations in the
+// AMX layout), which calls that do not take AMX take from this many rows (0: never).
+int spk_set_tiled_min_rows(int rows) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    const int old = g_tiled_min_rows;
+    g_tiled_min_rows = rows;
+    return old;
+}
+
+// Which path the last spk_linear call took: 1 the VNNI kernels, 2 the AMX kernel, 3 the tiled VNNI kernels.
 int spk_last_path() { return g_last_path; }
 
 // Does the library have a kernel for this GGML type and row length?
@@ -1330,15 +1507,17 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
 #else
     const bool amx = false;
 #endif
-    g_last_path = amx ? 2 : 1;
+    const bool tiled = !amx && ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_tiled_min_rows > 0 && m >= g_tiled_min_rows;
+    g_last_path = amx ? 2 : tiled ? 3 : 1;
     Act& a = g_act;
     a.nb = nb;
     a.bsize = bv;
     const int64_t groups = (m + 15) / 16;
-    if (amx) {
+    if (amx || tiled) {
         a.bt.resize((size_t)groups * nb * 4096);
         a.dt.resize((size_t)groups * nb * 16);
         a.bp.resize((size_t)groups * nb * 64);
+        a.bq.resize(tiled && qtype == T_Q6_K ? (size_t)groups * nb * 128 : 0);
     } else {
         a.qs.resize((size_t)m * nb * bv);
         a.d.resize((size_t)m * nb);
@@ -1348,9 +1527,9 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         }
     }
     // Work items: the rows, or for AMX each (group, block) of the B tiles.
-    const int64_t items = amx ? groups * nb : m;
+    const int64_t items = amx || tiled ? groups * nb : m;
     auto quantize = [&](int64_t i) {
-        if (amx)
+        if (amx || tiled)
             quantize_q8k_block_amx(x, m, k, nb, qtype == T_Q4_K, qtype == T_Q4_K && !prompt, i / nb, (int)(i % nb), a);
         else if (bv == 256)
             quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
@@ -1395,6 +1574,12 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             return;
         }
 #endif
+        if (tiled) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
+            const int64_t g0 = a0 / 16;
+            const int ng = (int)((a1 - a0 + 15) / 16);
+            linear_tiled(qtype, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n);
+            return;
+        }
         if (a1 - a0 == 1 && !prompt) {  // decode: four weight rows at a time
             int64_t r = r0;
             for (; r + 4 <= r1; r += 4) {
