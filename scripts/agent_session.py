@@ -83,12 +83,14 @@ def session(args, run: int, out) -> dict:
               f"ttft {turn['ttft_s']:.2f} s, {turn['completion_tokens']} tokens in {turn['wall_s']:.2f} s", flush=True)
     total = time.perf_counter() - t0
     later = [t["ttft_s"] for t in turns[1:]]
+    # The first token of a turn arrives at its TTFT, so a turn decodes n - 1 tokens after it.
     decode_s = sum(t["wall_s"] - t["ttft_s"] for t in turns)
+    decode_n = sum(max((t["completion_tokens"] or 0) - 1, 0) for t in turns)
     summary = {"label": args.label, "run": run, "summary": True, "turns": len(turns), "session_s": total,
                "ttft_turn1_s": turns[0]["ttft_s"], "ttft_later_mean_s": sum(later) / len(later) if later else None,
                "ttft_later_max_s": max(later, default=None),
                "completion_tokens": sum(t["completion_tokens"] or 0 for t in turns),
-               "decode_tok_s": sum(t["completion_tokens"] or 0 for t in turns) / decode_s if decode_s else None,
+               "decode_tok_s": decode_n / decode_s if decode_s else None,
                "texts": [t["text"] for t in turns]}
     out.write(json.dumps(summary) + "\n")
     print(f"{args.label} run {run}: session {total:.1f} s, TTFT turn 1 {turns[0]['ttft_s']:.2f} s, "
@@ -110,7 +112,9 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="sessions in a row against the same server process")
     p.add_argument("--extra", type=json.loads, default={}, help='JSON merged into every request, e.g. \'{"cache_prompt": false}\'')
     args = p.parse_args(argv)
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if command else None
+    # Keep the server's log beside --out, as serve_bench.py does: a crash mid-session is otherwise silent.
+    log = open(f"{Path(args.out).with_suffix('')}.{args.label}.server.log", "w") if command else None
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT) if command else None
     try:
         if server is not None:
             wait_healthy(args.url, server)
@@ -121,6 +125,7 @@ def main() -> int:
         if server is not None:
             server.terminate()
             server.wait(30)
+            log.close()
     return 0
 
 
