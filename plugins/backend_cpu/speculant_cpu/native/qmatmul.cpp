@@ -1433,8 +1433,10 @@ Act g_act;
 // row (measured on a Sapphire Rapids core, the 1.5B model's weights, one thread: about even at 5
 // rows for Q4_K's decode arithmetic).
 int g_amx_min_rows = 5;
-// Q4_K calls in its decode arithmetic and Q6_K ones in its canonical form with at least this many
-// rows that do not take AMX take the tiled VNNI kernels (0: never).
+// Q4_K calls in its decode arithmetic with at least this many rows (Q6_K ones in its canonical
+// form: twice as many) that do not take AMX take the tiled VNNI kernels (0: never). Measured on
+// the 1.5B's Q4_K FFN matrices, 2 cores without AMX: 8 rows 1.0-1.3x the per-row kernels, 16 rows
+// 2.0-2.6x, 512 rows 2.2-2.8x.
 int g_tiled_min_rows = 8;
 int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX, 3 VNNI on the AMX layout
 
@@ -1507,7 +1509,11 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
 #else
     const bool amx = false;
 #endif
-    const bool tiled = !amx && ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_tiled_min_rows > 0 && m >= g_tiled_min_rows;
+    // Q6_K from twice the rows: one activation group's 16 lanes cost the same however many are
+    // used, and the output head (k = 1536, 191 MB of Q6_K) at 8 rows took 13.9 ms tiled against
+    // 8.0 on the per-row kernels (even at 16 rows; its FFN matrices, k = 8960, gain from 8).
+    const int tiled_from = qtype == T_Q6_K ? 2 * g_tiled_min_rows : g_tiled_min_rows;
+    const bool tiled = !amx && ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_tiled_min_rows > 0 && m >= tiled_from;
     g_last_path = amx ? 2 : tiled ? 3 : 1;
     Act& a = g_act;
     a.nb = nb;
