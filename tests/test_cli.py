@@ -101,11 +101,22 @@ def test_n_predict_is_clamped_to_what_the_context_has_left(capsys, models):
     assert 1 <= n_gen <= 8 - n_prompt
 
 
-def test_threads_sets_torch_threads(capsys, models):
-    torch.set_num_threads(2)  # loading resets it to all cores; the flag is applied after
-    assert main(["generate", "-m", models["qwen2"], "-p", "def", "-n", "1", "--threads", "1"]) == 0
-    assert torch.get_num_threads() == 1
-    stats(capsys.readouterr().err)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("draft", [False, True], ids=["target", "with-draft"])
+def test_threads_reach_the_backends_thread_pools(capsys, models, threads, draft, monkeypatch):
+    """-t sets the native kernels' pool (and torch's threads without it), not only torch's; a
+    draft model loaded after the target does not set it back to SPECULANT_THREADS or all cores."""
+    from speculant_cpu import native
+
+    monkeypatch.setenv("SPECULANT_THREADS", "3")
+    args = ["generate", "-m", models["qwen2"], "-p", "def", "-n", "1", "--threads", str(threads)]
+    assert main(args + (["-md", models["qwen2"], "--spec-type", "draft-simple"] if draft else [])) == 0
+    lib = native.load()
+    if lib is not None:
+        assert lib.spk_threads() == threads
+        assert torch.get_num_threads() == 1  # torch keeps one thread beside the native pool
+    else:
+        assert torch.get_num_threads() == threads
 
 
 def test_help_exits_0(capsys):

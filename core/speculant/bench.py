@@ -75,7 +75,7 @@ def peak_rss_bytes() -> int:
 
 def run_bench(args, load) -> int:
     """`load(args)` loads the model (the CLI's loader, with its error handling)."""
-    from speculant.cli import engine_setup
+    from speculant.flags import engine_setup
 
     if not args.workloads and not args.kernels:
         raise SpeculantError("bench needs --workloads FILE... or --kernels")

@@ -1,4 +1,6 @@
-"""`speculant` command line: generate (and, through plugins, more). User errors: one line, exit 2."""
+"""`speculant` command line: generate, bench and plugins here; more (serve, ...) from plugins
+through the speculant_add_commands hook (their flags: speculant.flags). User errors: one line,
+exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -6,71 +8,13 @@ import os
 import sys
 import time
 
-from speculant.errors import ModelFileError, SpeculantError
-from speculant.options import float_where as _float, int_in as _int
-
-
-# --- flags -------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: the usage block is for --help, not for every typo."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temp", type=_float("a number >= 0", lambda v: v >= 0), default=0.0,
-                   help="temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=_int(0), default=40, help="top-k filter, 0 = off (default 40)")
-    p.add_argument("--top-p", type=_float("a number in (0, 1]", lambda v: 0 < v <= 1), default=0.95,
-                   help="top-p filter, 1 = off (default 0.95)")
-    p.add_argument("--min-p", type=_float("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.05,
-                   help="min-p filter, 0 = off (default 0.05)")
-    p.add_argument("--seed", type=_int(0, 2**64 - 1), default=None, help="random seed (default: random)")
-
-
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    """Speculation flags, named like llama.cpp's; plugins add their own through speculant_add_options."""
-    from speculant.plugins import default_registry
-
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec-type", default=None, help="comma list of speculators, tried in this order (default: none); "
-                   "bench compares several lists separated by ';'")
-    g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
-                   help="draft model .gguf for model-based speculators (draft-simple), with the target's vocabulary")
-    g.add_argument("--spec-draft-n-max", "--draft-max", dest="spec_draft_n_max", type=_int(0, 64), default=16,
-                   help="most tokens verified per step, for every spec type (default 16, at most 64)")
-    g.add_argument("--spec-draft-n-min", "--draft-min", dest="spec_draft_n_min", type=_int(0, 64), default=0,
-                   help="drop drafts shorter than this (default 0)")
-    g.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min",
-                   type=_float("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.0,
-                   help="model drafters stop below this confidence, the draft token's probability (default 0)")
-    g.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
-                   help="verify every draft in full instead of the length the cost model picks")
-    default_registry().add_options(g)
-
-
-def engine_setup(args, model):
-    """EngineConfig and speculators from the flags (one place for generate, bench and serve)."""
-    from speculant.engine import EngineConfig
-    from speculant.speculator import build_speculators, parse_spec_types
-
-    config = EngineConfig(n_ctx=args.ctx_size, draft_n_max=args.spec_draft_n_max, draft_n_min=args.spec_draft_n_min,
-                          draft_p_min=args.spec_draft_p_min, adaptive=args.spec_adaptive)
-    names = parse_spec_types(args.spec_type)
-    return config, build_speculators(names, vars(args), target=model, draft_model=args.spec_draft_model, backend=args.device)
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, help="target model, a .gguf file")
-    p.add_argument("-c", "--ctx-size", type=_int(2), default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("--device", default="cpu", help="backend plugin (default cpu)")
-    p.add_argument("-t", "--threads", type=_int(1), default=None,
-                   help="CPU threads (default: $SPECULANT_THREADS, else all cores)")
+from speculant.errors import SpeculantError
+from speculant.flags import OneLineParser, add_model_args, add_sampling_args, add_spec_args, engine_setup, load
+from speculant.options import int_in as _int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="speculant", description="Speculative-decoding inference engine for GGUF models.")
+    parser = OneLineParser(prog="speculant", description="Speculative-decoding inference engine for GGUF models.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
     add_model_args(g)
@@ -93,32 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     add_spec_args(b)
 
-    from speculant_server.cli import add_parser as add_serve_parser
-
-    add_serve_parser(sub)
-
     pl = sub.add_parser("plugins", help="list the installed plugins: kind, distribution, what they register, hooks")
     pl.add_argument("--all", action="store_true", help="also those SPECULANT_PLUGINS / SPECULANT_DISABLE_PLUGINS kept out")
     pl.add_argument("--json", action="store_true", help="JSON instead of the table")
+
+    from speculant.plugins import default_registry
+
+    parser.set_defaults(_commands={**CORE_COMMANDS, **default_registry().add_commands(sub)})  # serve, ...: plugins'
     return parser
 
 
 # --- commands ----------------------------------------------------------------------------------
-def load(args):
-    """The model named by -m, with a progress bar on a terminal; OS errors name the file."""
-    from speculant.loader import load_model
-
-    try:
-        model = load_model(args.model, backend=args.device, progress=sys.stderr.isatty())
-    except OSError as e:  # permission denied, I/O error, ... while reading the file
-        raise ModelFileError(f"{args.model}: cannot read the file: {e.strerror or e}") from None
-    if args.threads:  # after loading: the CPU backend sets its thread count when it is created
-        import torch
-
-        torch.set_num_threads(args.threads)
-    return model
-
-
 def cmd_generate(args) -> int:
     from speculant.engine import Engine
     from speculant.gguf.tokenizer import StreamDecoder
@@ -177,12 +106,6 @@ def cmd_bench(args) -> int:
     return run_bench(args, load)
 
 
-def cmd_serve(args) -> int:
-    from speculant_server.cli import cmd_serve as serve
-
-    return serve(args)
-
-
 def cmd_plugins(args) -> int:
     import json
 
@@ -193,7 +116,7 @@ def cmd_plugins(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "plugins": cmd_plugins}
+CORE_COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "plugins": cmd_plugins}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speculant: error: {e}", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[args.command](args)
+        return args._commands[args.command](args)
     except SpeculantError as e:
         print(f"speculant: error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,9 @@ class DiscoverySpec:
     def speculant_register_backends(self, register: Callable[[str, type], None]) -> None:
         """Register backend classes by device name: ``register("cpu", CpuBackend)``.
 
+        The class is built as ``cls()``, or ``cls(threads=N)`` when the user set ``-t N``: a
+        backend takes that keyword and applies it to every thread pool it runs.
+
         Register only when the device is usable here, so a CUDA plugin imports and stays
         silent on a machine without CUDA; a backend that finds out only when it is built raises
         :class:`speculant.DeviceUnavailable` from its constructor (the contract suite then skips
@@ -49,6 +52,15 @@ class DiscoverySpec:
         A builder is called as ``builder(gguf_file, backend, progress)`` and returns a
         :class:`speculant.Model`."""
 
+
+    @hookspec
+    def speculant_add_commands(self, subparsers: Any, register: Callable[[str, Callable[[Any], int]], None]) -> None:
+        """Add subcommands to ``speculant``: ``p = subparsers.add_parser("serve", help=...)``, its
+        flags, then ``register("serve", run)``. ``run(args)`` gets the parsed arguments and
+        returns the exit code; a :class:`speculant.SpeculantError` it raises is printed as one
+        line with exit code 2. ``speculant.flags`` has the flags every command shares
+        (``add_model_args``, ``add_sampling_args``, ``add_spec_args``) and what turns them into
+        a model, an EngineConfig and speculators (``load``, ``engine_setup``)."""
 
     @hookspec
     def speculant_add_options(self, parser: Any) -> None:

@@ -13,7 +13,10 @@ from speculant.model import Model
 from speculant.plugins import Registry, default_registry
 
 
-def load_model(path: str, backend: str = "cpu", registry: Registry | None = None, progress: bool = True) -> Model:
+def load_model(path: str, backend: str = "cpu", registry: Registry | None = None, progress: bool = True,
+               threads: int | None = None) -> Model:
+    """The model at `path` on the named backend plugin, built as ``cls()`` or, with `threads`
+    (the -t option), ``cls(threads=threads)``."""
     registry = registry or default_registry()
     gguf = open_gguf(path)
     arch = gguf.architecture
@@ -27,7 +30,8 @@ def load_model(path: str, backend: str = "cpu", registry: Registry | None = None
             supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
             raise ModelFileError(f"{path}: tensor '{t.name}' has type {t.qtype.name}, which is not supported (supported: {supported})")
     builder = registry.get("architecture", arch)
-    device = registry.get("backend", backend)()
+    cls = registry.get("backend", backend)
+    device = cls() if threads is None else cls(threads=threads)
     total = sum(t.data.nbytes for t in gguf.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}",
               disable=not progress, file=sys.stderr, leave=False) as bar:

@@ -91,6 +91,29 @@ class Registry:
                 raise SpeculantError(f"plugin '{impl.plugin_name}' ({_dist(info)}) failed to add its flags: "
                                      f"{type(e).__name__}: {e}; uninstall or disable it (SPECULANT_DISABLE_PLUGINS)") from None
 
+    def add_commands(self, subparsers: Any) -> dict[str, Any]:
+        """Every plugin's speculant_add_commands; returns {command name: run}. A failure, or a
+        command two plugins add, is an error naming the plugin."""
+        by_name = {p.name: p for p in self.plugins}
+        commands: dict[str, Any] = {}
+        owners: dict[str, str] = {}
+        for impl in reversed(self.pm.hook.speculant_add_commands.get_hookimpls()):  # registration order
+            info = by_name.get(impl.plugin_name)
+
+            def register(name: str, run: Any, plugin: str = impl.plugin_name) -> None:
+                if name in commands:
+                    raise SpeculantError(f"command '{name}' is added twice: by plugin '{owners[name]}' and by plugin '{plugin}'")
+                commands[name], owners[name] = run, plugin
+
+            try:
+                impl.function(subparsers=subparsers, register=register)
+            except SpeculantError:
+                raise
+            except Exception as e:  # argparse's clash of names included
+                raise SpeculantError(f"plugin '{impl.plugin_name}' ({_dist(info)}) failed to add its commands: "
+                                     f"{type(e).__name__}: {e}; uninstall or disable it (SPECULANT_DISABLE_PLUGINS)") from None
+        return commands
+
     def _fail(self, name: str, error: str) -> None:
         """Record a plugin as broken and take back what it registered."""
         for i, info in enumerate(self.plugins):

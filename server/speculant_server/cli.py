@@ -15,28 +15,29 @@ from speculant.errors import SpeculantError
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from speculant.cli import _float, _int, add_model_args, add_sampling_args, add_spec_args
+    from speculant.flags import add_model_args, add_sampling_args, add_spec_args
+    from speculant.options import float_where, int_in
 
     add_model_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=_int(0, 65535), default=8080, help="port to listen on (default 8080; 0: any free port)")
-    g.add_argument("-np", "--parallel", type=_int(1, 256), default=4,
+    g.add_argument("--port", type=int_in(0, 65535), default=8080, help="port to listen on (default 8080; 0: any free port)")
+    g.add_argument("-np", "--parallel", type=int_in(1, 256), default=4,
                    help="slots: sequences generated together, their verification batched (default 4)")
-    g.add_argument("--queue-size", type=_int(0), default=256,
+    g.add_argument("--queue-size", type=int_in(0), default=256,
                    help="requests that may wait for a slot; more get 503 (default 256)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (comma list: several keys)")
     g.add_argument("--alias", default=None, help="model name in responses and /v1/models (default: the file name)")
-    g.add_argument("-n", "--n-predict", type=_int(-1), default=-1,
+    g.add_argument("-n", "--n-predict", type=int_in(-1), default=-1,
                    help="default max tokens per request, -1 = until the end of the context (default -1)")
-    g.add_argument("--max-body-size", type=_int(1), default=16 * 2**20, help="largest request body in bytes (default 16 MiB)")
+    g.add_argument("--max-body-size", type=int_in(1), default=16 * 2**20, help="largest request body in bytes (default 16 MiB)")
     g.add_argument("--log-format", choices=("text", "json"), default="text", help="request log lines (default text)")
     g.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
     g = p.add_argument_group("prompt cache")
-    g.add_argument("-cram", "--cache-ram", type=_int(-1), default=8192, metavar="MiB",
+    g.add_argument("-cram", "--cache-ram", type=int_in(-1), default=8192, metavar="MiB",
                    help="memory for the states of finished prompts beyond the slots' own, reused when a later prompt "
                         "starts the same way (default 8192; -1: no limit; 0: off)")
-    g.add_argument("-sps", "--slot-prompt-similarity", type=_float("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.1,
+    g.add_argument("-sps", "--slot-prompt-similarity", type=float_where("a number in [0, 1]", lambda v: 0 <= v <= 1), default=0.1,
                    help="a request goes to the idle slot whose kept state shares the longest prefix with its prompt, "
                         "if more than this fraction of it; else to the least recently used slot (default 0.1)")
     g.add_argument("--slot-save-path", default=None, metavar="DIR",
@@ -83,7 +84,7 @@ def cmd_serve(args) -> int:
     import structlog
     from aiohttp import web
 
-    from speculant.cli import engine_setup, load
+    from speculant.flags import engine_setup, load
     from speculant.engine import Engine
     from speculant.sampling import SamplingParams
     from speculant.speculator import parse_spec_types
@@ -126,9 +127,9 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from speculant.cli import _Parser
+    from speculant.flags import OneLineParser
 
-    parser = _Parser(prog="python -m speculant_server", description="speculant serve")
+    parser = OneLineParser(prog="python -m speculant_server", description="speculant serve")
     add_serve_args(parser)
     try:
         args = parser.parse_args(argv)

@@ -35,24 +35,21 @@ _models: dict[tuple, object] = {}
 _models_lock = threading.Lock()
 
 
-def load_draft_model(path: str, backend: str = "cpu"):
+def load_draft_model(path: str, backend: str = "cpu", threads: int | None = None):
     """The draft model at `path`, loaded once per process (a benchmark builds its speculators
     afresh for every run; the model has no per-run state, its contexts do)."""
     try:
         st = os.stat(path)
     except OSError as e:
         raise SpeculantError(f"{path}: cannot read the draft model: {e.strerror or e}") from None
-    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, backend)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, backend, threads)
     with _models_lock:
         model = _models.get(key)
         if model is None:
-            threads = torch.get_num_threads()  # a backend sets its thread count when created; keep the user's
-            try:
-                model = load_model(path, backend=backend, progress=sys.stderr.isatty())
+            try:  # the user's -t: a backend sets the (process-wide) thread count when it is created
+                model = load_model(path, backend=backend, progress=sys.stderr.isatty(), threads=threads)
             except OSError as e:
                 raise SpeculantError(f"{path}: cannot read the draft model: {e.strerror or e}") from None
-            finally:
-                torch.set_num_threads(threads)
             _models[key] = model
     return model
 
@@ -85,7 +82,7 @@ class DraftSimple:
         target = config.target
         if target is None:
             raise SpeculantError("spec type draft-simple needs the target model to check the draft's vocabulary")
-        self.model = load_draft_model(config.draft_model, config.backend)
+        self.model = load_draft_model(config.draft_model, config.backend, config.option("threads", None))
         why = vocab_mismatch(target.tokenizer, self.model.tokenizer)
         if why is not None:
             raise SpeculantError(f"draft model {config.draft_model} cannot draft for {target.info.path}: {why}")

@@ -1,0 +1,85 @@
+"""The microkernel's layering, read from the sources: the core imports no plugin or server code,
+nothing imports a private name of another package, and no modules import each other in a cycle
+(function-level imports included: a cycle there is a design knot even when Python copes)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+PACKAGES = {  # import name -> its folder
+    "speculant": "core/speculant",
+    "speculant_server": "server/speculant_server",
+    "speculant_cpu": "plugins/backend_cpu/speculant_cpu",
+    "speculant_transformer": "plugins/transformer/speculant_transformer",
+    "speculant_ngram": "plugins/ngram/speculant_ngram",
+    "speculant_draft": "plugins/draft/speculant_draft",
+    "speculant_suffix": "contrib/speculant-suffix/speculant_suffix",
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            parts = [pkg, *f.relative_to(ROOT / folder).with_suffix("").parts]
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) for every absolute import in the file, at any depth."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, []) for a in node.names)
+    return out
+
+
+def test_the_core_imports_no_plugin_or_server_code():
+    bad = [(m, mod) for m, f in modules().items() if m.split(".")[0] == "speculant"
+           for mod, _ in imports(f) if mod.split(".")[0] in PACKAGES and mod.split(".")[0] != "speculant"]
+    assert not bad, f"core modules importing plugin or server code: {bad}"
+
+
+def test_no_package_imports_a_private_name_of_another():
+    bad = []
+    for m, f in modules().items():
+        own = m.split(".")[0]
+        for mod, names in imports(f):
+            if mod.split(".")[0] in PACKAGES and mod.split(".")[0] != own:
+                private = [p for p in mod.split(".") if p.startswith("_")] + [n for n in names if n.startswith("_")]
+                if private:
+                    bad.append((m, mod, private))
+    assert not bad, f"imports of private names across packages: {bad}"
+
+
+def test_no_import_cycles():
+    mods = modules()
+    graph = {}
+    for m, f in mods.items():
+        deps = set()
+        for mod, names in imports(f):
+            for target in [mod, *(f"{mod}.{n}" for n in names)]:
+                # a module may use its own package's __init__ (Python runs it first anyway)
+                if target in mods and target != m and not m.startswith(target + "."):
+                    deps.add(target)
+        graph[m] = deps
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
