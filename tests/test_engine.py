@@ -127,7 +127,7 @@ def test_chain_order_and_fallthrough():
     empty, a, b = Fixed("empty", []), Fixed("a", [1]), Fixed("b", [2])
     engine = Engine(ToyModel(), EngineConfig(n_ctx=64, adaptive=False), [empty, a, b])
     seq = engine.add(PROMPT, 5)
-    draft = engine._propose(seq)
+    draft = engine._propose_all([seq])[seq.seq_id]
     assert draft.spec_type == "a" and empty.asked == 1 and b.asked == 0
 
 

@@ -95,7 +95,6 @@ class SeqStats:
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0
     n_declined: int = 0  # spec types the adaptive controller did not let draft, summed over steps
-    last_accepted: int = 0
     drafts: SpecTypeStats = attrs.field(factory=SpecTypeStats)  # this sequence's drafts, all spec types
 
     @property
@@ -170,6 +169,22 @@ class CachedPrompt:
         while i < n and self.tokens[i] == prompt[i]:
             i += 1
         return i
+
+
+@attrs.define
+class _Part:
+    """One sequence's rows in a step: a prompt chunk (draft None, no logits) or decoding rows."""
+
+    seq: Sequence
+    draft: Draft | None
+    batch: Batch
+
+
+@attrs.define
+class StepPlan:
+    decode: list[_Part]
+    prefill: list[_Part]
+    batch: Batch  # all the rows of one forward: the decoding parts first, then the prompt chunks
 
 
 def _per_row(row_prompts: tuple[tuple[int, int], ...], n: int) -> list[int]:
@@ -319,69 +334,76 @@ class Engine:
     def active(self) -> list[Sequence]:
         return [s for s in self.sequences.values() if s.finish_reason is None]
 
-    # --- the loop ------------------------------------------------------------------------
+    # --- the loop: plan -> run -> commit -------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
         """Advance every active sequence: one that is decoding by at least one token, one whose
         prompt is still going in by one chunk of it (no tokens yet). Returns the new tokens by id."""
-        active = self.active()
-        prefill_parts = []
-        for seq in active:
+        plan = self._plan_step()
+        t0 = time.perf_counter()
+        out = self.model.forward(plan.batch, self.context, self.chain.hidden_layers)
+        return self._commit(plan, out, time.perf_counter() - t0)
+
+    def _plan_step(self) -> StepPlan:
+        """What one forward computes: a chunk of each prompt still going in, and for each decoding
+        sequence its rows not yet in the target's state plus the chain's draft."""
+        prefill, decoding = [], []
+        for seq in self.active():
             if not seq.prefilled:  # a new prompt; replayed rows of a recurrent state ride with the step
                 rows = seq.prefill_rows()
                 # The prompt's last chunk rides with its first decode step (one forward less
                 # before the first token): a row computes the same in either (Model.row_classes).
                 # A recurrent target takes it alone, to save its state at the prompt's end.
                 if len(rows) == PREFILL_CHUNK or (rows and self.recurrent):
-                    prefill_parts.append((seq, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none", prompt_len=seq.n_prompt)))
-                else:
-                    seq.prefilled = True
-                    if self.recurrent and seq.n_cached > seq.n_reused:  # a point a later prompt can resume from
-                        seq.checkpoints = seq.checkpoints[-(MAX_CHECKPOINTS - 1):] + [(seq.n_cached, self.context.save(seq.seq_id))]
-        seqs = [seq for seq in active if seq.prefilled]
-        drafts = self._propose_all(seqs)
-
+                    prefill.append(_Part(seq, None, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none", prompt_len=seq.n_prompt)))
+                    continue
+                seq.prefilled = True
+                if self.recurrent and seq.n_cached > seq.n_reused:  # a point a later prompt can resume from
+                    seq.checkpoints = seq.checkpoints[-(MAX_CHECKPOINTS - 1):] + [(seq.n_cached, self.context.save(seq.seq_id))]
+            decoding.append(seq)
+        drafts = self._propose_all(decoding)
         parts = []
-        for seq in seqs:
+        for seq in decoding:
             draft = drafts[seq.seq_id]
             pending = seq.tokens[seq.n_cached:]
             rows = pending + list(draft.tokens if draft else ())
-            want = "all" if draft else "last"
-            b = Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits=want, prompt_len=seq.n_prompt)
+            b = Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="all" if draft else "last", prompt_len=seq.n_prompt)
             if draft:  # logits only from the last pending row on
                 b = attrs.evolve(b, want_logits=tuple(i >= len(pending) - 1 for i in range(len(rows))))
-            if draft and self.recurrent:
-                seq.saved = self.context.save(seq.seq_id)
-                self._spec_call(seq, self.chain.checkpoint, seq.view(), "save")
-            parts.append(b)
+                if self.recurrent:
+                    seq.saved = self.context.save(seq.seq_id)
+                    self._spec_call(seq, self.chain.checkpoint, seq.view(), "save")
+            parts.append(_Part(seq, draft, b))
         # The prompt chunks go last, so the decoding rows keep their offsets in the output.
-        batch = Batch.concat(parts + [b for _, b in prefill_parts])
-        t0 = time.perf_counter()
-        out = self.model.forward(batch, self.context, self.chain.hidden_layers)
-        dt = time.perf_counter() - t0
-        if not prefill_parts and len(batch) == len(seqs) + sum(len(d) for d in drafts.values() if d):
-            self.controller.observe_forward(len(batch), dt)  # the cost model is of verification rows alone
-        for seq, b in prefill_parts:
-            seq.n_cached += len(b)
-            seq.stats.prompt_seconds += dt
+        return StepPlan(parts, prefill, Batch.concat([p.batch for p in parts + prefill]))
 
-        new: dict[int, list[int]] = {seq.seq_id: [] for seq, _ in prefill_parts}
-        row = 0
-        hidden_row = 0
-        for seq, b in zip(seqs, parts):
-            draft = drafts[seq.seq_id]
-            n_logits = sum(b.want_logits)
+    def _commit(self, plan: StepPlan, out, seconds: float) -> dict[int, list[int]]:
+        """Verify each decoding sequence's rows, cut the states back to what was kept, tell the
+        speculators, and write the statistics (each once, here)."""
+        decode_rows = sum(1 + len(p.draft or ()) for p in plan.decode)
+        if not plan.prefill and len(plan.batch) == decode_rows:  # the cost model is of verification rows alone
+            self.controller.observe_forward(len(plan.batch), seconds)
+        new: dict[int, list[int]] = {}
+        for p in plan.prefill:
+            p.seq.n_cached += len(p.batch)
+            p.seq.stats.prompt_seconds += seconds
+            new[p.seq.seq_id] = []
+        row = hidden_row = 0
+        share = seconds / len(plan.decode) if plan.decode else 0.0
+        for p in plan.decode:
+            seq, draft = p.seq, p.draft
+            n_logits = sum(p.batch.want_logits)
             logits = out.logits[row : row + n_logits]
-            hidden = {l: h[hidden_row : hidden_row + len(b)] for l, h in out.hidden.items()}
+            hidden = {l: h[hidden_row : hidden_row + len(p.batch)] for l, h in out.hidden.items()}
             row += n_logits
-            hidden_row += len(b)
-            new[seq.seq_id] = self._verify(seq, draft, logits, hidden, len(b))
-            seq.stats.decode_seconds += dt / len(seqs)
+            hidden_row += len(p.batch)
+            new[seq.seq_id], n_accepted = self._verify(seq, draft, logits, hidden, len(p.batch))
+            seq.stats.decode_seconds += share
             if draft is not None:
-                n_acc = seq.stats.last_accepted
+                seq.stats.drafts.add(len(draft), n_accepted)
                 st = self._stats(draft.spec_type)
-                st.add(len(draft), n_acc)
-                st.verify_seconds += dt / len(seqs)
-                self.controller.observe_draft(draft.spec_type, len(draft), n_acc)
+                st.add(len(draft), n_accepted)
+                st.verify_seconds += share
+                self.controller.observe_draft(draft.spec_type, len(draft), n_accepted)
         return new
 
     def _stats(self, spec_type: str) -> SpecTypeStats:
@@ -434,11 +456,9 @@ class Engine:
             drafts[seq.seq_id] = draft
         return drafts
 
-    def _propose(self, seq: Sequence) -> Draft | None:
-        """The chain's draft for one sequence (as a step makes it)."""
-        return self._propose_all([seq])[seq.seq_id]
-
-    def _verify(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor, hidden: dict, n_rows: int) -> list[int]:
+    def _verify(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor, hidden: dict, n_rows: int) -> tuple[list[int], int]:
+        """The tokens the step emits for seq and how many of its draft were accepted; the target's
+        state cut back to what was kept (or restored, for recurrent state), the speculators told."""
         n_before = len(seq.tokens)
         emitted, n_accepted = verify(seq.sampler, logits, draft, self.eog)
         # Never past the budget or the context (the draft limits make this a no-op normally).
@@ -449,9 +469,6 @@ class Engine:
 
         fed_end = seq.n_cached + n_rows  # the state now holds tokens up to here (pending + draft rows)
         kept_end = n_before + n_accepted  # ... of which these are right; the last emitted token is pending
-        seq.stats.last_accepted = n_accepted
-        if draft is not None:
-            seq.stats.drafts.add(len(draft), n_accepted)
         if self.recurrent and draft is not None and kept_end < fed_end:
             # Recurrent state cannot be cut: go back to before the draft; the kept tokens are
             # fed again as the first rows of the next step.
@@ -472,7 +489,7 @@ class Engine:
             seq.finish_reason = "length"
         elif len(seq.tokens) >= self.config.n_ctx:
             seq.finish_reason = "length"
-        return emitted
+        return emitted, n_accepted
 
     # --- convenience -----------------------------------------------------------------------
     def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams()) -> Iterator[int]:
