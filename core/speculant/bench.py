@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import sys
 import time
 

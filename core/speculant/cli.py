@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpeculantError as e:  # the plugins' flags could not be collected (two plugins claim one name, ...)
         print(f"speculant: error: {e}", file=sys.stderr)
         return 2
+    from speculant.logs import configure
+
+    configure("json" if getattr(args, "log_format", None) == "json" else "console", level="WARNING")
     try:
         return args._commands[args.command](args)
     except SpeculantError as e:

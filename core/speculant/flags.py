@@ -67,6 +67,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="backend plugin (default cpu)")
     p.add_argument("-t", "--threads", type=_int(1), default=None,
                    help="CPU threads (default: $SPECULANT_THREADS, else all cores)")
+    p.add_argument("--log-format", choices=("console", "json", "text"), default="console",
+                   help="log lines on stderr: key=value (console; text is the same) or one JSON object each (default console)")
 
 
 def load(args):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import logging
 import os
 from typing import Any
 
@@ -19,8 +18,9 @@ import pluggy
 
 from speculant import hookspecs
 from speculant.errors import SpeculantError
+from speculant.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 KINDS = ("speculator", "backend", "architecture")
 
@@ -119,7 +119,7 @@ class Registry:
         for i, info in enumerate(self.plugins):
             if info.name == name:
                 self.plugins[i] = info = attrs.evolve(info, module=None, error=error)
-                log.warning("plugin '%s' (%s) failed to load and is skipped: %s", name, _dist(info), error)
+                log.warning("plugin failed to load and is skipped", plugin=name, distribution=_dist(info), error=error)
         for key in [k for k, e in self.entries.items() if e.plugin.name == name]:
             del self.entries[key]
         if self.pm.get_plugin(name) is not None:
@@ -162,7 +162,8 @@ def load_registry(extra_plugins: list[tuple[str, Any]] = ()) -> Registry:
                 pm.register(module, name=ep.name)
             except Exception as e:  # a broken plugin must not stop start-up
                 registry.plugins.append(attrs.evolve(info, error=f"{type(e).__name__}: {e}"))
-                log.warning("plugin '%s' (%s) failed to load and is skipped: %s: %s", ep.name, _dist(info), type(e).__name__, e)
+                log.warning("plugin failed to load and is skipped", plugin=ep.name, distribution=_dist(info),
+                            error=f"{type(e).__name__}: {e}")
                 continue
             registry.plugins.append(attrs.evolve(info, module=module))
     for name, obj in extra_plugins:

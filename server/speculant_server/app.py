@@ -14,9 +14,9 @@ import uuid
 from typing import Any
 
 import attrs
-import structlog
 from aiohttp import web
 
+from speculant.logs import get_logger
 from speculant.engine import Engine
 from speculant.gguf.chat_template import CHATML_TEMPLATE
 
@@ -25,7 +25,7 @@ from speculant_server.protocol import (ApiError, Defaults, GenRequest, bad, get_
                                        parse_completion, parse_json, parse_messages)
 from speculant_server.worker import Done, EngineWorker, Job, QueueFull
 
-log = structlog.get_logger("speculant.server")
+log = get_logger("speculant.server")
 
 PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models"}  # answered without an API key, as llama-server does
 

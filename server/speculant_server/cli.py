@@ -31,7 +31,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-n", "--n-predict", type=int_in(-1), default=-1,
                    help="default max tokens per request, -1 = until the end of the context (default -1)")
     g.add_argument("--max-body-size", type=int_in(1), default=16 * 2**20, help="largest request body in bytes (default 16 MiB)")
-    g.add_argument("--log-format", choices=("text", "json"), default="text", help="request log lines (default text)")
     g.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
     g = p.add_argument_group("prompt cache")
     g.add_argument("-cram", "--cache-ram", type=int_in(-1), default=8192, metavar="MiB",
@@ -53,16 +52,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def configure_logging(fmt: str = "text") -> None:
-    import structlog
+def configure_logging(fmt: str = "console") -> None:
+    """The server logs a line per request: speculant's loggers from INFO on, others' warnings."""
+    from speculant.logs import configure
 
-    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.processors.KeyValueRenderer(
-        key_order=["timestamp", "level", "event"], drop_missing=True)
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
-                    structlog.processors.format_exc_info, renderer],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # aiohttp's own warnings and errors
+    configure("json" if fmt == "json" else "console", level=logging.INFO)
 
 
 def slot_folder(path: str) -> str:
@@ -81,11 +75,11 @@ def slot_folder(path: str) -> str:
 
 
 def cmd_serve(args) -> int:
-    import structlog
     from aiohttp import web
 
     from speculant.flags import engine_setup, load
     from speculant.engine import Engine
+    from speculant.logs import get_logger
     from speculant.sampling import SamplingParams
     from speculant.speculator import parse_spec_types
 
@@ -103,7 +97,7 @@ def cmd_serve(args) -> int:
     model = load(args)
     config, speculators = engine_setup(args, model)  # a missing or incompatible draft model fails here
     configure_logging(args.log_format)  # only now: the checks above fail in one plain line
-    log = structlog.get_logger("speculant.server")
+    log = get_logger("speculant.server")
     engine = Engine(model, config, speculators)
     keys = tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip())
     defaults = Defaults(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed), args.n_predict)

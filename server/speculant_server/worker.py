@@ -21,8 +21,8 @@ import time
 from typing import Any, Callable
 
 import attrs
-import structlog
 
+from speculant.logs import get_logger
 from speculant.engine import Engine, Sequence, SpecOverride, SpecTypeStats
 from speculant.errors import LimitError
 from speculant.sampling import SamplingParams
@@ -31,7 +31,7 @@ from speculant_server.protocol import ApiError
 from speculant_server.slot_cache import SlotCache
 from speculant_server.text import TextPipeline
 
-log = structlog.get_logger("speculant.server")
+log = get_logger("speculant.server")
 
 
 class QueueFull(Exception):

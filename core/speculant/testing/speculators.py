@@ -17,7 +17,6 @@ A speculator class can tell the suite three things through class attributes:
 from __future__ import annotations
 
 import argparse
-import math
 import random
 
 import pytest

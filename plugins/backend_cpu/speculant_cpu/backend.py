@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import numpy as np
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from speculant.gguf.quants import dequantize, dequantize_rows, unpack_q4_groups
+from speculant.logs import get_logger
 
 from speculant_cpu import native
 
@@ -128,13 +128,14 @@ class QuantEmbedding:
         return dequantize_rows(self.raw, self.qtype, self.shape, ids)
 
 
+log = get_logger(__name__)
 _warned: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        print(f"speculant: {message}", file=sys.stderr)
+        log.warning(message)
 
 
 class CpuBackend:

@@ -10,16 +10,16 @@ sequence sees 5 drafts in a row with less than 25% of their tokens accepted.
 """
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 
 from speculant import Draft, DraftLimits, SequenceView, hookimpl
+from speculant.logs import get_logger
 from speculant.speculator import SpeculatorConfig
 
 from speculant_ngram._common import hash_low_bits, hash_powers, int_option, tokens_of, window_hashes
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 POOL_SIZE = 4 * 1024 * 1024  # 4,194,304 entries (16 MiB)
 HASH_MUL = 6364136223846793005
@@ -102,7 +102,7 @@ class NgramMod:
         self.n_min = int_option(config, "spec_ngram_mod_n_min", 48, 0, 1024)
         self.n_max = int_option(config, "spec_ngram_mod_n_max", 64, 0, 1024)
         if self.n_match < 16:
-            log.warning("ngram-mod: n_match = %d is small; llama.cpp recommends at least 16", self.n_match)
+            log.warning("ngram-mod: a small n_match; llama.cpp recommends at least 16", n_match=self.n_match)
         self.pool = NgramModPool(self.n_match)  # shared by all sequences of this speculator
         self.seqs: dict[int, _SeqInfo] = {}
 
@@ -127,7 +127,7 @@ class NgramMod:
         info.i_last = len(prompt) - n
         if self.pool.used / self.pool.size > OCCUPANCY_RESET:
             # checked after adding: the whole shared pool goes, this prompt's n-grams included
-            log.info("ngram-mod: pool occupancy %.2f > %.2f, resetting", self.pool.used / self.pool.size, OCCUPANCY_RESET)
+            log.info("ngram-mod: pool too full, resetting", occupancy=round(self.pool.used / self.pool.size, 3), limit=OCCUPANCY_RESET)
             self.pool.reset()
 
     @hookimpl
@@ -194,7 +194,7 @@ class NgramMod:
         if n_accepted / len(draft) < LOW_ACCEPT:
             info.n_low += 1
             if info.n_low >= LOW_STREAK_RESET:
-                log.info("ngram-mod: %d low-acceptance drafts in a row, resetting the pool", info.n_low)
+                log.info("ngram-mod: low-acceptance drafts in a row, resetting the pool", drafts=info.n_low)
                 self.pool.reset()
                 info.n_low = 0
                 info.i_last = 0  # this sequence re-adds its history lazily on the next draft
