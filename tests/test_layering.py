@@ -83,3 +83,27 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cpu_backend_s_optional_kernels_match_the_declared_signatures():
+    """Backend.BackendKernels fixes the optional kernels' names and parameters; a backend that
+    has one takes the same parameters, and architectures look up only declared names."""
+    import inspect
+
+    from speculant.model import BACKEND_KERNELS, BackendKernels, backend_kernel
+    from speculant_cpu.backend import CpuBackend
+
+    assert {"batch", "row_classes", "rms_norm", "rope_tables", "apply_rope", "swiglu", "gelu_tanh"} <= set(BACKEND_KERNELS)
+    backend = CpuBackend()
+    for name in BACKEND_KERNELS:
+        impl = backend_kernel(backend, name)
+        if impl is None:
+            continue
+        declared = list(inspect.signature(getattr(BackendKernels, name)).parameters)[1:]  # without self
+        assert list(inspect.signature(impl).parameters) == declared, name
+    try:
+        backend_kernel(backend, "not_a_kernel")
+    except AttributeError:
+        pass
+    else:
+        raise AssertionError("an undeclared kernel name must be refused")

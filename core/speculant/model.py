@@ -7,7 +7,7 @@ restored (``state_kind == "recurrent"``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
@@ -94,8 +94,51 @@ class Backend(Protocol):
         attends to keys 0..p (only the last `window` of them if window > 0). -> [rows, n_head, v_dim]."""
         ...
 
-    # Optional, for a backend that computes these its own way (the CPU backend follows llama.cpp's
-    # arithmetic); architectures fall back to torch's when absent:
-    #   gelu_tanh(x); swiglu(gate, up) = silu(gate) * up;
-    #   rope_tables(positions, head_dim, base, scale) -> (cos, sin) [rows, head_dim / 2];
-    #   row_classes(positions, prompt_lens): as Model.row_classes, for the rows' kernels.
+    # Optional kernels: see BackendKernels below.
+
+
+class BackendKernels(Protocol):
+    """What a backend MAY add to `Backend`, for architectures to use where it has them (the CPU
+    backend computes these as llama.cpp does); an architecture falls back to its own torch code
+    for each one a backend lacks (`backend_kernel`). Signatures and meaning are fixed here, so an
+    architecture and a backend from different distributions agree on them."""
+
+    def batch(self, batch: Batch, prompt: bool = True) -> ContextManager[None]:
+        """A scope around a forward's layers: the backend may compute each row's linear layers by
+        its position and prompt length (`row_classes`); `prompt=False` marks every row a decode row
+        (a nested scope, e.g. around the last layer's FFN of the rows that want logits)."""
+        ...
+
+    def row_classes(self, positions: Sequence[int], prompt_lens: Sequence[int], prompt: bool = True) -> Sequence[int] | None:
+        """As Model.row_classes, for the rows' kernels (None: every row alike)."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension, times the weight."""
+        ...
+
+    def rope_tables(self, positions: torch.Tensor, head_dim: int, base: float, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [rows, head_dim / 2] for absolute positions (linear position scaling `scale`)."""
+        ...
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+        """Rotate x [rows, heads, head_dim] by the tables; neox pairs i with i + d/2, else 2i with 2i+1."""
+        ...
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up."""
+        ...
+
+    def gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
+        """GELU, tanh approximation."""
+        ...
+
+
+BACKEND_KERNELS = tuple(n for n in vars(BackendKernels) if not n.startswith("_"))
+
+
+def backend_kernel(backend: Any, name: str, fallback: Any = None) -> Any:
+    """The backend's optional kernel `name` (one of BackendKernels'), else `fallback`."""
+    if name not in BACKEND_KERNELS:
+        raise AttributeError(f"'{name}' is not an optional backend kernel (BackendKernels: {', '.join(BACKEND_KERNELS)})")
+    return getattr(backend, name, fallback)

@@ -12,7 +12,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from speculant import Batch, ForwardOutput, KVCache
+from speculant import Batch, ForwardOutput, KVCache, backend_kernel
 from speculant.gguf.tokenizer import Tokenizer
 
 from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
@@ -112,7 +112,7 @@ class Gemma3Model(DecoderModel):
         rope_local = rope_tables(positions, c.head_dim, SWA_ROPE_BASE)
         rows = len(batch)
         hidden = {}
-        gelu = getattr(self.backend, "gelu_tanh", gelu_tanh)
+        gelu = backend_kernel(self.backend, "gelu_tanh", gelu_tanh)
 
         x = self.embed(torch.tensor(batch.tokens)) * (c.n_embd**0.5)  # [rows, n_embd]
         with batch_scope(self.backend, batch):

@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 
-from speculant import Batch, ForwardOutput, KVCache
+from speculant import Batch, ForwardOutput, KVCache, backend_kernel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,7 +29,7 @@ def batch_scope(backend, batch: Batch, prompt: bool = True):
     CPU backend computes prompt rows as llama.cpp does there). The last layer's FFN goes in a
     nested scope with prompt=False: llama.cpp keeps only the rows that want logits from there on,
     so their FFN is computed as decode rows are."""
-    scope = getattr(backend, "batch", None)
+    scope = backend_kernel(backend, "batch")
     return scope(batch, prompt) if scope is not None else contextlib.nullcontext()
 
 
@@ -41,17 +41,17 @@ def ffn_scope(backend, batch: Batch, layer: int, n_layers: int):
 
 def rope_fn(backend):
     """The backend's `rope_tables` where it has one (the CPU backend builds them as llama.cpp does)."""
-    return getattr(backend, "rope_tables", rope_tables)
+    return backend_kernel(backend, "rope_tables", rope_tables)
 
 
 def norm_fn(backend):
     """The backend's `rms_norm` where it has one (the CPU backend's is one native call)."""
-    return getattr(backend, "rms_norm", rms_norm)
+    return backend_kernel(backend, "rms_norm", rms_norm)
 
 
 def rotate_fn(backend):
     """The backend's `apply_rope` where it has one."""
-    return getattr(backend, "apply_rope", apply_rope)
+    return backend_kernel(backend, "apply_rope", apply_rope)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
@@ -109,7 +109,7 @@ class DecoderModel:
 
     def row_classes(self, positions, prompt_lens):
         """How the backend computes each row (None: every row alike), see Model.row_classes."""
-        classes = getattr(self.backend, "row_classes", None)
+        classes = backend_kernel(self.backend, "row_classes")
         return None if classes is None else classes(positions, prompt_lens)
 
     def new_context(self, max_tokens: int) -> KVCache:

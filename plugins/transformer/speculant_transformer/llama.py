@@ -8,7 +8,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from speculant import Batch, ForwardOutput, KVCache
+from speculant import Batch, ForwardOutput, KVCache, backend_kernel
 from speculant.gguf.tokenizer import Tokenizer
 
 from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
@@ -103,7 +103,7 @@ class LlamaModel(DecoderModel):
         cos, sin = rope_fn(self.backend)(positions, c.head_dim, c.rope_base, c.rope_scale)
         rows = len(batch)
         hidden = {}
-        swiglu = getattr(self.backend, "swiglu", silu_times)
+        swiglu = backend_kernel(self.backend, "swiglu", silu_times)
 
         x = self.embed(torch.tensor(batch.tokens))  # [rows, n_embd]
         with batch_scope(self.backend, batch):
