@@ -44,6 +44,19 @@ def test_the_core_imports_no_plugin_or_server_code():
     assert not bad, f"core modules importing plugin or server code: {bad}"
 
 
+# The core's public modules (docs/plugins.md, "The core's public API"); the rest is internal.
+PUBLIC_CORE = {"speculant", "speculant.gguf", "speculant.speculator", "speculant.engine", "speculant.sampling",
+               "speculant.errors", "speculant.options", "speculant.flags", "speculant.logs", "speculant.plugins",
+               "speculant.testing"}
+
+
+def test_plugins_use_only_the_core_s_public_modules():
+    bad = [(m, mod) for m, f in modules().items() if m.split(".")[0] != "speculant"
+           for mod, _ in imports(f) if mod.split(".")[0] == "speculant" and mod not in PUBLIC_CORE
+           and not mod.startswith("speculant.testing.")]
+    assert not bad, f"plugins importing internal core modules: {bad}"
+
+
 def test_no_package_imports_a_private_name_of_another():
     bad = []
     for m, f in modules().items():

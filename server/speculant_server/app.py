@@ -16,9 +16,9 @@ from typing import Any
 import attrs
 from aiohttp import web
 
-from speculant.logs import get_logger
 from speculant.engine import Engine
-from speculant.gguf.chat_template import CHATML_TEMPLATE
+from speculant.gguf import CHATML_TEMPLATE
+from speculant.logs import get_logger
 
 from speculant_server import metrics, slot_files
 from speculant_server.protocol import (ApiError, Defaults, GenRequest, bad, get_bool, get_str, get_tokens, parse_chat,

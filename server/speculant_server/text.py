@@ -6,7 +6,7 @@ sent and the generation ends there.
 """
 from __future__ import annotations
 
-from speculant.gguf.tokenizer import StreamDecoder
+from speculant.gguf import StreamDecoder
 
 
 class StopMatcher:

@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import attrs
 
-from speculant.logs import get_logger
 from speculant.engine import Engine, Sequence, SpecOverride, SpecTypeStats
 from speculant.errors import LimitError
+from speculant.logs import get_logger
 from speculant.sampling import SamplingParams
 
 from speculant_server.protocol import ApiError

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from speculant.gguf.quants import dequantize, dequantize_rows, unpack_q4_groups
+from speculant.gguf import dequantize, dequantize_rows, unpack_q4_groups
 from speculant.logs import get_logger
 
 from speculant_cpu import native

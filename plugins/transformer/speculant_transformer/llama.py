@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from speculant import Batch, ForwardOutput, KVCache, backend_kernel
-from speculant.gguf.tokenizer import Tokenizer
+from speculant.gguf import Tokenizer
 
 from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
 from speculant_transformer.loading import WeightLoader, model_info, require
