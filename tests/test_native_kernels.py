@@ -75,13 +75,25 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
         assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows"
 
 
+def _path_threshold(setter):
+    """Yield `setter` (a spk_set_*_min_rows), its old value restored afterwards."""
+    old = setter(0)
+    setter(old)
+    yield setter
+    setter(old)
+
+
 @pytest.fixture
 def amx_min_rows():
-    """Set the row count from which calls take the AMX path (where it has their type and mode); restored afterwards."""
-    old = lib.spk_set_amx_min_rows(0)
-    lib.spk_set_amx_min_rows(old)
-    yield lib.spk_set_amx_min_rows
-    lib.spk_set_amx_min_rows(old)
+    """Set the row count from which calls take the AMX path (where it has their type and mode)."""
+    yield from _path_threshold(lib.spk_set_amx_min_rows)
+
+
+@pytest.fixture
+def tiled_min_rows():
+    """Set the row count from which Q4_K calls that do not take AMX take the tiled VNNI kernels
+    (Q6_K ones from twice as many)."""
+    yield from _path_threshold(lib.spk_set_tiled_min_rows)
 
 
 # --- llama.cpp's arithmetic for the K-quants, emulated in numpy ---------------------------------
@@ -210,15 +222,6 @@ def k_quant_case(qtype, n, k):
 
 # Shapes of the 1.5B model's layers (k = 1536 and 8960) with n not a multiple of the 16-row chunks.
 K_SHAPES = [(Q.Q4_K, 37, 1536), (Q.Q6_K, 45, 1536), (Q.Q4_K, 21, 8960), (Q.Q6_K, 19, 8960)]
-
-
-@pytest.fixture
-def tiled_min_rows():
-    """Set the row count from which Q4_K calls that do not take AMX take q4k_tiled; restored afterwards."""
-    old = lib.spk_set_tiled_min_rows(0)
-    lib.spk_set_tiled_min_rows(old)
-    yield lib.spk_set_tiled_min_rows
-    lib.spk_set_tiled_min_rows(old)
 
 
 @pytest.mark.parametrize("qtype,n,k", K_SHAPES)
