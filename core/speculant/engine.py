@@ -153,7 +153,8 @@ MAX_CHECKPOINTS = 8
 class CachedPrompt:
     """A finished sequence's state, kept for a later request to continue from (the prompt cache):
     the target's rows for `tokens`, and the speculators' state, stay under `seq_id` in their
-    contexts until the entry is resumed or dropped (`Engine.resume`, `Engine.drop_cached`)."""
+    contexts until a request continues from it (`Engine.add(..., cached=entry)`) or it is dropped
+    (`Engine.drop_cached`)."""
 
     seq_id: int
     tokens: tuple[int, ...]  # whose state the target's context holds, in order
@@ -284,8 +285,7 @@ class Engine:
         if seq.saved is not None:  # stopped between a checkpoint and its verification
             self.context.restore(seq.seq_id, seq.saved)
             seq.saved = None
-        n_bytes = getattr(self.context, "nbytes", lambda seq_id: 0)(seq.seq_id)
-        return CachedPrompt(seq.seq_id, tuple(seq.tokens[: seq.n_cached]), seq.row_prompts, seq.checkpoints, n_bytes)
+        return CachedPrompt(seq.seq_id, tuple(seq.tokens[: seq.n_cached]), seq.row_prompts, seq.checkpoints, self._nbytes(seq.seq_id))
 
     def adopt(self, tokens: list[int], row_prompts: tuple[tuple[int, int], ...], state: dict) -> CachedPrompt:
         """An entry from a target state saved elsewhere (`context.get_state` of an entry with these
@@ -300,8 +300,12 @@ class Engine:
         except Exception:
             self.context.drop(seq_id)
             raise
-        n_bytes = getattr(self.context, "nbytes", lambda seq_id: 0)(seq_id)
-        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], n_bytes, speculators_synced=False)
+        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id), speculators_synced=False)
+
+    def _nbytes(self, seq_id: int) -> int:
+        """The memory of a sequence's target state (0 where the context cannot say)."""
+        nbytes = getattr(self.context, "nbytes", None)
+        return 0 if nbytes is None else nbytes(seq_id)
 
     def drop_cached(self, cached: CachedPrompt) -> None:
         """Free a kept state (target and speculators)."""
