@@ -6,6 +6,7 @@ is float32 rounding of the kernel's accumulation. Each row must also come out bi
 however many rows are computed with it."""
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -573,3 +574,23 @@ def test_logit_rows_take_the_kind_of_their_own_positions():
         assert list(be.row_kinds) == [0, 4] and be.row_mode(int(Q.Q6_K), 2) is None
     with be.batch(batch.select([2, 3]), prompt=False):
         assert be.row_mode(int(Q.Q6_K), 2) == 2 and be.row_mode(int(Q.Q4_K), 2) == 0
+
+
+def test_the_ctypes_bindings_come_from_the_header_the_library_is_built_with():
+    """spk.h is the native API's one list: every function the sources define is declared there
+    (the compiler checks the signatures, the sources include it), and every declared function is
+    bound with the header's types and found in the library."""
+    import re
+
+    header = native.HEADER.read_text()
+    declared = set(re.findall(r"^\w+\s+(spk_\w+)\(", header, re.M))
+    defined = {m[1] for src in native.SOURCES for line in src.read_text().splitlines()
+               if (m := re.match(r"\w+\s+(spk_\w+)\(", line)) and not re.search(r"\);\s*(//.*)?$", line)}  # not a declaration
+    assert defined == declared, f"defined but not in spk.h: {defined - declared}; declared, not defined: {declared - defined}"
+    assert all('#include "spk.h"' in src.read_text() for src in native.SOURCES)
+    api = native.api()
+    assert len(api) == len(declared) - 1  # all but spk_parallel_for (a function pointer: C++ callers only)
+    for name, (restype, argtypes) in api.items():
+        fn = getattr(lib, name)
+        assert fn.argtypes == argtypes and fn.restype == restype, name
+    assert api["spk_linear_mode"][1][-1] is ctypes.c_int and api["spk_exp_check"][0] is ctypes.c_int64

@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -46,7 +47,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in [*SOURCES, HEADER]:
         key.update(source.read_bytes())
     key.update(" ".join(FLAGS).encode())
     key.update(subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.encode())
@@ -68,35 +69,35 @@ def _build(compiler: str) -> Path:
     return target
 
 
+HEADER = Path(__file__).with_name("spk.h")
+_CTYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32, "float": ctypes.c_float, "void": None}
+_DECL = re.compile(r"^(\w+)\s+(spk_\w+)\((.*)\);", re.M)
+
+
+def _ctype(decl: str):
+    """A C parameter or return type of spk.h as ctypes: pointers as void*, the scalars by name."""
+    decl = decl.strip()
+    if "*" in decl:
+        return ctypes.c_void_p
+    return _CTYPES[decl.rsplit(" ", 1)[0] if " " in decl else decl]
+
+
+def api() -> dict[str, tuple[object, list[object]]]:
+    """spk.h's functions: name -> (restype, argtypes), those with a function-pointer parameter
+    (for the library's own use) left out."""
+    out = {}
+    for ret, name, params in _DECL.findall(HEADER.read_text()):
+        if "(*" in params:
+            continue
+        out[name] = (_CTYPES[ret], [_ctype(p) for p in params.split(",") if p.strip()])
+    return out
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.spk_abi_version.restype = ctypes.c_int
-    lib.spk_set_threads.argtypes = [ctypes.c_int]
-    lib.spk_threads.restype = ctypes.c_int
-    lib.spk_supports.argtypes = [ctypes.c_int, i64]
-    lib.spk_supports.restype = ctypes.c_int
-    lib.spk_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
-    lib.spk_linear.restype = ctypes.c_int
-    lib.spk_linear_prompt.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr]
-    lib.spk_linear_prompt.restype = ctypes.c_int
-    lib.spk_linear_mode.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.spk_linear_mode.restype = ctypes.c_int
-    lib.spk_prefault.argtypes = [ptr, i64]
-    c_int, c_float = ctypes.c_int, ctypes.c_float
-    lib.spk_attention_f16.argtypes = [ptr, i64, c_int, c_int, c_int, c_int, ptr, ptr, i64, i64, ptr, i64, c_float, ptr, c_int, i64]
-    lib.spk_attention_f16.restype = c_int
-    lib.spk_exp_check.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32]
-    lib.spk_exp_check.restype = i64
-    lib.spk_swiglu.argtypes = [ptr, ptr, ptr, i64, i64]
-    lib.spk_swiglu.restype = None
-    lib.spk_gelu_table.argtypes = [ptr]
-    lib.spk_gelu_table.restype = None
-    lib.spk_rope_table.argtypes = [ptr, i64, c_int, c_float, c_float, ptr, ptr]
-    lib.spk_rope_table.restype = None
-    lib.spk_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, c_float]
-    lib.spk_rms_norm.restype = None
-    lib.spk_rope_apply.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int]
-    lib.spk_rope_apply.restype = None
+    """The ctypes signatures, from spk.h (the header the library is compiled against)."""
+    for name, (restype, argtypes) in api().items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 

@@ -9,6 +9,8 @@
 // of the cost of a long context.
 #include <immintrin.h>
 
+#include "spk.h"
+
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -58,8 +60,6 @@ inline void mad_f16(uint16_t* y, const uint16_t* x, float v, int n) {
 
 }  // namespace
 
-extern "C" void spk_parallel_for(int64_t n, void (*fn)(int64_t, void*), void* ctx);  // qmatmul.cpp
-extern "C" int spk_threads();
 
 namespace {
 

@@ -12,11 +12,12 @@
 // compiled code has them.
 #include <immintrin.h>
 
+#include "spk.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-extern "C" void spk_parallel_for(int64_t n, void (*fn)(int64_t, void*), void* ctx);  // qmatmul.cpp
 
 namespace {
 

@@ -35,6 +35,8 @@
 
 #include <immintrin.h>
 
+#include "spk.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define SPK_AMX 1
 #include <cpuid.h>

@@ -1,0 +1,38 @@
+// The native library's C API: the one list of its functions. Each .cpp includes it, so the
+// compiler checks every definition against it, and native/__init__.py builds the ctypes
+// bindings from it (a function per line, parameters named; `//` comments only).
+#pragma once
+#include <cstdint>
+
+extern "C" {
+
+// library and threads
+int spk_abi_version();
+void spk_set_threads(int n);
+int spk_threads();
+void spk_parallel_for(int64_t n, void (*fn)(int64_t, void*), void* ctx);  // for the other kernels; not bound
+
+// quantized linear layers (qmatmul.cpp)
+int spk_supports(int qtype, int64_t k);
+int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y);
+int spk_linear_mode(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, int mode);
+int spk_linear_prompt(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, const uint8_t* kind);
+void spk_prefault(const void* ptr, int64_t bytes);
+int spk_amx_available();
+int spk_amx_built();
+int spk_set_amx_min_rows(int rows);
+int spk_set_tiled_min_rows(int rows);
+int spk_last_path();
+
+// attention (attention.cpp)
+int spk_attention_f16(const float* q, int64_t rows, int n_head, int n_kv, int dk, int dv, const uint16_t* k, const uint16_t* v, int64_t k_head_stride, int64_t v_head_stride, const int64_t* positions, int64_t window, float scale, float* out, int grouped, int64_t exact_below);
+int64_t spk_exp_check(uint32_t first, uint32_t last, uint32_t step);
+
+// element-wise (elementwise.cpp)
+void spk_swiglu(const float* x, const float* g, float* y, int64_t rows, int64_t n);
+void spk_gelu_table(uint16_t* table);
+void spk_rope_table(const int64_t* pos, int64_t n, int n_dims, float base, float freq_scale, float* cos_out, float* sin_out);
+void spk_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
+void spk_rope_apply(float* x, const float* cos_t, const float* sin_t, int64_t rows, int64_t heads, int64_t d, int neox);
+
+}  // extern "C"
