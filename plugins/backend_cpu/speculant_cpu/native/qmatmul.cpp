@@ -56,6 +56,7 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -534,9 +535,12 @@ void dot_q6k(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t 
     for (int i = 0; i < NR; ++i) y[i * ldy] = hsum8(s[i]);
 }
 
-// Q6_K rows past LLAMA_SPLIT_KV: the canonical epilogue, four rows per xmm (the AMX kernel's lanes).
-template <int NR>
-void dot_q6k_canon(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+// Q6_K with one integer sum per block, four rows per xmm (the AMX kernel's lanes), then the
+// epilogue of the arithmetic: TILED, llama.cpp's tiled matmul for the rows of a prompt batch of
+// eight rows or more, acc = fma((float)isum * d, dx, acc); else the canonical one, for rows
+// past LLAMA_SPLIT_KV (and long prompts), acc + (d * dx) * isum.
+template <int NR, bool TILED>
+void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     constexpr int NG = (NR + 3) / 4;
     __m128 s[NG];
     for (int g = 0; g < NG; ++g) s[g] = _mm_setzero_ps();
@@ -571,7 +575,8 @@ void dot_q6k_canon(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, in
                 acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
                 dx[t] = a.d[ab];
             }
-            s[g] = epilogue_q6k_canon(s[g], _mm_set1_ps(d), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc));
+            const __m128 dxv = _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]);
+            s[g] = TILED ? epilogue_q6k_tiled(s[g], _mm_set1_ps(d), dxv, hsum4(acc)) : epilogue_q6k_canon(s[g], _mm_set1_ps(d), dxv, hsum4(acc));
         }
     }
     for (int i = 0; i < NR; ++i) {
@@ -609,52 +614,6 @@ void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a
         s = epilogue_q6k_canon(s, _mm_loadu_ps(d), _mm_set1_ps(a.d[ab]), hsum4(acc));
     }
     _mm_storeu_ps(y, s);
-}
-
-// Prompt rows, as llama.cpp's tiled K-quant matmul computes Q6_K for a prompt batch of eight
-// rows or more: one integer sum per block, then acc = fma((float)isum * d, dx, acc).
-template <int NR>
-void dot_q6k_tiled(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    constexpr int NG = (NR + 3) / 4;
-    __m128 s[NG];
-    for (int g = 0; g < NG; ++g) s[g] = _mm_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-        const BlockQ6K& blk = w[b];
-        prefetch(&blk, sizeof(BlockQ6K));
-        const float d = f16(blk.d);
-        __m512i q[4];
-        q6k_values(blk, q);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
-        const __m512i sc16z = _mm512_castsi256_si512(sc16);
-        __m512i sg[4];
-        for (int g = 0; g < 4; ++g) sg[g] = _mm512_permutexvar_epi16(Q6.idx[g], sc16z);
-        for (int g = 0; g < NG; ++g) {
-            __m512i acc[4];
-            float dx[4];
-            for (int t = 0; t < 4; ++t) {
-                const int i = 4 * g + t;
-                if (i >= NR) {
-                    acc[t] = _mm512_setzero_si512();
-                    dx[t] = 0.f;
-                    continue;
-                }
-                const int64_t ab = (int64_t)(i0 + i) * a.nb + b;
-                __m512i x[4];
-                load_x4(a.qs.data() + ab * 256, x);
-                const __m512i v = scaled_dot4(q, sg, x);
-                const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
-                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-                acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
-                dx[t] = a.d[ab];
-            }
-            s[g] = epilogue_q6k_tiled(s[g], _mm_set1_ps(d), _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]), hsum4(acc));
-        }
-    }
-    for (int i = 0; i < NR; ++i) {
-        alignas(16) float out[4];
-        _mm_store_ps(out, s[i / 4]);
-        y[i * ldy] = out[i % 4];
-    }
 }
 
 // Blocks of 32 with one fp16 scale (Q8_0, Q5_0, Q4_0): decode to signed bytes, then the same
@@ -1368,51 +1327,31 @@ void dot_one(int qtype, const uint8_t* row, int nb, const Act& a, int i0, float*
     }
 }
 
-void dot_tile(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    switch (nr) {
-        case 1: dot_one<1>(qtype, row, nb, a, i0, y, ldy); break;
-        case 2: dot_one<2>(qtype, row, nb, a, i0, y, ldy); break;
-        case 3: dot_one<3>(qtype, row, nb, a, i0, y, ldy); break;
-        case 4: dot_one<4>(qtype, row, nb, a, i0, y, ldy); break;
-        case 5: dot_one<5>(qtype, row, nb, a, i0, y, ldy); break;
-        case 6: dot_one<6>(qtype, row, nb, a, i0, y, ldy); break;
-        case 7: dot_one<7>(qtype, row, nb, a, i0, y, ldy); break;
-        default: dot_one<8>(qtype, row, nb, a, i0, y, ldy); break;
+// The one place a runtime row count becomes a template argument: f(std::integral_constant<int, R>)
+// with R = nr for 1 <= nr <= NR_MAX (NR_MAX for more).
+template <int R = 1, class F>
+inline void with_rows(int nr, F&& f) {
+    if constexpr (R < NR_MAX) {
+        if (nr > R) return with_rows<R + 1>(nr, std::forward<F>(f));
     }
+    f(std::integral_constant<int, R>{});
+}
+
+void dot_tile(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    with_rows(nr, [&](auto R) { dot_one<decltype(R)::value>(qtype, row, nb, a, i0, y, ldy); });
 }
 
 // The prompt-row kernels (mode 1: Q4_K as llama.cpp's gemm, mode 2: Q6_K as its tiled matmul).
-template <int NR>
-void dot_prompt_one(int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    if (qtype == T_Q4_K) dot_q4k_pairs<NR>((const BlockQ4K*)row, nb, a, i0, y, ldy);
-    else dot_q6k_tiled<NR>((const BlockQ6K*)row, nb, a, i0, y, ldy);
-}
-
 void dot_tile_prompt(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    switch (nr) {
-        case 1: dot_prompt_one<1>(qtype, row, nb, a, i0, y, ldy); break;
-        case 2: dot_prompt_one<2>(qtype, row, nb, a, i0, y, ldy); break;
-        case 3: dot_prompt_one<3>(qtype, row, nb, a, i0, y, ldy); break;
-        case 4: dot_prompt_one<4>(qtype, row, nb, a, i0, y, ldy); break;
-        case 5: dot_prompt_one<5>(qtype, row, nb, a, i0, y, ldy); break;
-        case 6: dot_prompt_one<6>(qtype, row, nb, a, i0, y, ldy); break;
-        case 7: dot_prompt_one<7>(qtype, row, nb, a, i0, y, ldy); break;
-        default: dot_prompt_one<8>(qtype, row, nb, a, i0, y, ldy); break;
-    }
+    with_rows(nr, [&](auto R) {
+        constexpr int NR = decltype(R)::value;
+        if (qtype == T_Q4_K) dot_q4k_pairs<NR>((const BlockQ4K*)row, nb, a, i0, y, ldy);
+        else dot_q6k_one_sum<NR, true>((const BlockQ6K*)row, nb, a, i0, y, ldy);
+    });
 }
 
 void dot_tile_canon(int nr, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    const BlockQ6K* w = (const BlockQ6K*)row;
-    switch (nr) {
-        case 1: dot_q6k_canon<1>(w, nb, a, i0, y, ldy); break;
-        case 2: dot_q6k_canon<2>(w, nb, a, i0, y, ldy); break;
-        case 3: dot_q6k_canon<3>(w, nb, a, i0, y, ldy); break;
-        case 4: dot_q6k_canon<4>(w, nb, a, i0, y, ldy); break;
-        case 5: dot_q6k_canon<5>(w, nb, a, i0, y, ldy); break;
-        case 6: dot_q6k_canon<6>(w, nb, a, i0, y, ldy); break;
-        case 7: dot_q6k_canon<7>(w, nb, a, i0, y, ldy); break;
-        default: dot_q6k_canon<8>(w, nb, a, i0, y, ldy); break;
-    }
+    with_rows(nr, [&](auto R) { dot_q6k_one_sum<decltype(R)::value, false>((const BlockQ6K*)row, nb, a, i0, y, ldy); });
 }
 
 size_t block_bytes(int qtype) {
