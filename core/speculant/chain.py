@@ -13,11 +13,13 @@ an empty draft counts as no draft for the step (it still ends the search for tha
 """
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any, Callable, Sequence
 
 import attrs
 import pluggy
+import torch
 
 from speculant import hookspecs
 from speculant.types import Draft, DraftLimits, DraftRequest, SequenceView
@@ -36,6 +38,47 @@ class Proposal:
 
 # plan(request, spec_type) -> the limits to ask that speculator with; n_max <= 0 skips it for the request.
 Plan = Callable[[DraftRequest, str], DraftLimits]
+
+
+class SpeculatorFault(Exception):
+    """A speculator raised a BaseException that is not an Exception (SystemExit, GeneratorExit, a
+    subclass of its own). Carried as an Exception so that every handler of speculator failures
+    treats it alike: only its sequences lose speculation, the engine thread goes on.
+    KeyboardInterrupt is not converted: it is the user's, not the speculator's."""
+
+
+def _fault(e: BaseException) -> Exception:
+    """The exception to handle for what a speculator raised (see SpeculatorFault)."""
+    if isinstance(e, Exception):
+        return e
+    if isinstance(e, KeyboardInterrupt):
+        raise e
+    return SpeculatorFault(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+
+
+def _checked(name: str, draft: Any) -> Draft | None:
+    """A speculator's answer as a Draft of plain int tokens, or TypeError naming the speculator:
+    anything else would fail later, in the step every sequence of the batch shares."""
+    if draft is None:
+        return None
+    if not isinstance(draft, Draft):
+        raise TypeError(f"{name}: a draft must be a speculant.Draft, got {type(draft).__name__}")
+    try:
+        if isinstance(draft.tokens, (str, bytes)):
+            raise TypeError
+        tokens = tuple(draft.tokens)
+        if any(isinstance(t, bool) for t in tokens):
+            raise TypeError
+        tokens = tuple(operator.index(t) for t in tokens)  # numpy and torch integers are fine
+    except TypeError:
+        raise TypeError(f"{name}: the draft's tokens must be a sequence of ints, got {draft.tokens!r:.80}") from None
+    probs = draft.probs
+    if probs is not None and not (isinstance(probs, torch.Tensor) and probs.dim() == 2 and probs.shape[0] >= len(tokens)):
+        shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+        raise TypeError(f"{name}: the draft's probs must be a tensor [{len(tokens)}, n_vocab], got {shape}")
+    if type(draft.tokens) is tuple and all(type(t) is int for t in draft.tokens):  # the usual case: as it is
+        return draft
+    return Draft(tokens, draft.spec_type, probs)
 
 
 def _trim(draft: Draft, n_max: int) -> Draft:
@@ -76,6 +119,11 @@ class SpeculatorChain:
         t = time.perf_counter()
         try:
             return getattr(self.hook, name)(**kwargs)
+        except BaseException as e:
+            fault = _fault(e)
+            if fault is e:
+                raise
+            raise fault from e
         finally:
             self.hook_seconds += time.perf_counter() - t
 
@@ -107,11 +155,15 @@ class SpeculatorChain:
                 t = time.perf_counter()
                 try:
                     drafts = batch_caller(requests=[DraftRequest(requests[i].seq, lim) for i, lim in asked])
+                    if drafts is not None and not isinstance(drafts, list):
+                        raise TypeError(f"{name}: propose_batch returned {type(drafts).__name__}, not a list of drafts")
                     if drafts is not None and len(drafts) != len(asked):
                         raise ValueError(f"{name}: propose_batch returned {len(drafts)} drafts for {len(asked)} requests")
+                    if drafts is not None:
+                        drafts = [_checked(name, d) for d in drafts]
                     error = None
-                except Exception as e:  # every sequence of the call loses speculation; the others go on
-                    drafts, error = None, e
+                except BaseException as e:  # every sequence of the call loses speculation; the others go on
+                    drafts, error = None, _fault(e)
                 share = (time.perf_counter() - t) / len(asked)
                 for j, (i, lim) in enumerate(asked):
                     d = None if drafts is None else drafts[j]
@@ -120,9 +172,9 @@ class SpeculatorChain:
                 for i, lim in asked:
                     t = time.perf_counter()
                     try:
-                        d, error = caller(seq=requests[i].seq, limits=lim), None
-                    except Exception as e:
-                        d, error = None, e
+                        d, error = _checked(name, caller(seq=requests[i].seq, limits=lim)), None
+                    except BaseException as e:
+                        d, error = None, _fault(e)
                     answered.update(self._record(out[i], name, time.perf_counter() - t, d, lim, error, i))
             if answered:
                 pending = [i for i in pending if i not in answered]

@@ -39,7 +39,7 @@ class Sampler:
             return torch.nn.functional.one_hot(torch.argmax(logits), logits.shape[-1]).float()
         ids, kept = self._filtered(logits)
         p = torch.zeros_like(logits)
-        p[ids] = torch.softmax(kept / self.params.temperature, dim=-1)
+        p[ids] = self._softmax(kept).float()
         return p
 
     def sample(self, logits: torch.Tensor) -> int:
@@ -47,8 +47,14 @@ class Sampler:
         if self.params.greedy:
             return int(torch.argmax(logits))  # first index among equal maxima, like llama.cpp
         ids, kept = self._filtered(logits.float())
-        p = torch.softmax(kept / self.params.temperature, dim=-1)
-        return int(ids[self._draw(p)])
+        return int(ids[self._draw(self._softmax(kept))])
+
+    def _softmax(self, kept: torch.Tensor) -> torch.Tensor:
+        """softmax(kept / T) in float64 after subtracting the maximum: a tiny T (1e-39, even
+        5e-324) then sends the others to -inf (probability 0) and the maximum to 0, never
+        inf - inf = NaN; in float32, logits / T overflows below T ~ 1e-37. It tends to greedy."""
+        x = kept.double()
+        return torch.softmax((x - x.max()) / self.params.temperature, dim=-1)
 
     def sample_from(self, p: torch.Tensor) -> int:
         """One token from an explicit distribution [V] (rejection sampling's residual)."""

@@ -436,7 +436,7 @@ async def models(request: web.Request):
 async def health(request: web.Request):
     state = request.app[STATE]
     if not state.worker.alive:
-        raise ApiError(503, "the engine thread is not running")
+        raise ApiError(503, "the engine thread is not running" + (f" ({state.worker.died})" if state.worker.died else ""))
     return _json({"status": "ok"})
 
 

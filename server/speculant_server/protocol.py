@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Callable
 
 import attrs
@@ -45,7 +46,45 @@ def parse_json(raw: bytes) -> dict:
         raise bad(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {_json_type(body)}")
+    # The walk costs more than the parse on a big body: only when the text may hold a surrogate
+    # (an escape \uD800-\uDFFF, or one encoded raw, which json.loads lets through).
+    if not isinstance(raw, bytes) or _MAYBE_SURROGATE.search(raw) or json.detect_encoding(raw) not in ("utf-8", "utf-8-sig"):
+        _no_surrogates(body)
     return body
+
+
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _utf8(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _no_surrogates(body: dict) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates: not text, no tokenizer, template or
+    response can take them (and an error message quoting one could not be sent). Rejected once
+    here, anywhere in the body, keys included, naming the field."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:  # not recursive: json.loads already bounds the depth, this walk adds no frames
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not _utf8(v):
+                c = next(c for c in v if 0xD800 <= ord(c) <= 0xDFFF)
+                raise bad(f"'{path}' contains a lone surrogate (U+{ord(c):04X}), which is not valid Unicode", param=path)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if not _utf8(k):
+                    where = f"'{path}'" if path else "the request body"
+                    raise bad(f"a key in {where} contains a lone surrogate, which is not valid Unicode", param=path or None)
+                stack.append((f"{path}.{k}" if path else k, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v) if isinstance(item, (str, dict, list)))
 
 
 # --- typed field access ------------------------------------------------------------------------
@@ -244,12 +283,29 @@ def parse_messages(body: dict) -> list[dict]:
     return out
 
 
+# Fields that would change what is generated or returned: rejected until they are supported,
+# rather than ignored (a client asking for JSON output must not get free text it takes for JSON).
+# Each maps to the values that ask for nothing and are accepted.
+UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "grammar": (None, ""), "json_schema": (None,), "top_logprobs": (None,),
+}
+
+
+def _unsupported(body: dict) -> None:
+    for key, neutral in UNSUPPORTED.items():
+        v = body.get(key)
+        if not any(v == n and type(v) is type(n) for n in neutral):
+            raise bad(f"'{key}' is not supported by this server", param=key)
+
+
 def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], known: list[str]) -> GenRequest:
     n = get_int(body, "n", 1)
     if n != 1:
         raise bad(f"'n' must be 1 (one completion per request), got {n}", param="n")
     if body.get("logprobs") not in (None, False) or body.get("n_probs"):
         raise bad("logprobs are not supported", param="logprobs")
+    _unsupported(body)
     stream = get_bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):

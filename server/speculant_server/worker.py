@@ -106,6 +106,7 @@ class EngineWorker:
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # see call()
         self._cond = threading.Condition()
         self._stopping = False
+        self.died: str | None = None  # what killed the engine thread, if something did
         self._thread = threading.Thread(target=self._run, name="speculant-engine", daemon=True)
 
     # --- called from the event loop ----------------------------------------------------------
@@ -135,6 +136,8 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         """Queue a job; QueueFull when `queue_size` requests already wait for a slot."""
         with self._cond:
+            if self.died is not None:
+                raise self._refusal()
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if len(self._pending) >= self.queue_size + self.free_slots():
@@ -149,7 +152,7 @@ class EngineWorker:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
-                future.set_exception(ApiError(503, "the server is shutting down"))
+                future.set_exception(self._refusal() if self.died is not None else ApiError(503, "the server is shutting down"))
                 return future
             self._calls.append((fn, future))
             self._cond.notify()
@@ -170,23 +173,41 @@ class EngineWorker:
         return [j for j in self.slots if j is not None]
 
     def _run(self) -> None:
-        while True:
-            try:
-                if not self._iteration():
-                    break
-            except Exception:  # a bug here must not stop the server: log it and go on
-                log.exception("engine thread error")
-                time.sleep(0.01)
-        for job in self._active():  # shutting down
-            self._fail(job, ApiError(503, "the server is shutting down"))
+        try:
+            while True:
+                try:
+                    if not self._iteration():
+                        break
+                except Exception:  # a bug here must not stop the server: log it and go on
+                    log.exception("engine thread error")
+                    time.sleep(0.01)
+        except BaseException as e:  # the thread dies anyway: refuse work rather than queue it forever
+            self.died = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            log.critical("the engine thread died; the server refuses new requests", error=self.died, exc_info=True)
+            self._drain(ApiError(500, f"generation failed: the engine thread died ({self.died})"), self._refusal())
+            return
+        self._drain(ApiError(503, "the server is shutting down"), ApiError(503, "the server is shutting down"))
+
+    def _refusal(self) -> ApiError:
+        return ApiError(503, f"the engine thread is not running ({self.died}); the server must be restarted")
+
+    def _drain(self, active_error: ApiError, waiting_error: ApiError) -> None:
+        """Fail every job and call the engine thread holds or that waits for it (it is ending)."""
         with self._cond:
+            self._stopping = True  # submit and call refuse from now on
             waiting, self._pending = list(self._pending), collections.deque()
             calls, self._calls = self._calls, []
+        for job in self._active():
+            try:
+                self._fail(job, active_error)
+            except BaseException:  # the engine is broken: the client must hear of it anyway
+                self.slots[job.slot] = None
+                job.emit(("error", active_error))
         for job in waiting:
-            job.emit(("error", ApiError(503, "the server is shutting down")))
+            job.emit(("error", waiting_error))
         for _, future in calls:
             if future.set_running_or_notify_cancel():
-                future.set_exception(ApiError(503, "the server is shutting down"))
+                future.set_exception(waiting_error)
 
     def _iteration(self) -> bool:
         """Admit, drop cancelled jobs, run one step and deliver its tokens. False: stop."""

@@ -1,0 +1,295 @@
+"""Hostile input and broken plugins (issue 22): a speculator's wrong answer or BaseException costs
+only its own sequences their speculation, a dead engine thread makes the server refuse work, and
+odd request bodies (lone surrogates, unsupported fields, tiny temperatures) get clear answers."""
+import asyncio
+
+import pytest
+import torch
+
+from speculant import Draft, hookimpl
+from speculant.engine import Engine, EngineConfig
+from speculant.sampling import Sampler, SamplingParams
+
+from test_server_util import aiotest, make_engine, post, serve, tiny_model
+from toy_models import ToyModel
+
+PROMPT = [1, 2, 3, 4, 5]
+BAD_PROMPT = [9, 2, 3, 4, 5]  # the broken speculators misbehave for this prompt only
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4, "temperature": 0}
+
+
+def plain(prompt=PROMPT, n=30, params=SamplingParams()):
+    return list(Engine(ToyModel(), EngineConfig(n_ctx=256)).generate(prompt, n, params))
+
+
+def run_pair(speculators):
+    """The bad and the good prompt decoded together; (bad seq, good seq, their outputs)."""
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, adaptive=False), speculators)
+    bad, good = engine.add(BAD_PROMPT, 30), engine.add(PROMPT, 30)
+    outs = {bad.seq_id: [], good.seq_id: []}
+    while engine.active():
+        for sid, toks in engine.step().items():
+            outs[sid] += toks
+    return bad, good, outs[bad.seq_id], outs[good.seq_id]
+
+
+# --- 1. a speculator's answer that is not a Draft ------------------------------------------------------
+WRONG_ANSWERS = {
+    "list": [0, 1],
+    "tuple": (0, 1),
+    "string": "01",
+    "int": 3,
+    "float tokens": Draft((0.5, 1.0), "wrong"),
+    "string tokens": Draft(("a",), "wrong"),
+    "tokens not a sequence": Draft(7, "wrong"),
+    "bool tokens": Draft((True,), "wrong"),
+    "probs not a tensor": Draft((0, 1), "wrong", [[0.5]]),
+}
+
+
+class Wrong:
+    spec_type = "wrong"
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    @hookimpl
+    def propose(self, seq, limits):
+        return self.answer if seq.tokens[0] == BAD_PROMPT[0] else Draft((0,), self.spec_type)
+
+
+class WrongBatch:
+    spec_type = "wrong"
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    @hookimpl
+    def propose_batch(self, requests):
+        if any(r.seq.tokens[0] == BAD_PROMPT[0] for r in requests):
+            return self.answer
+        return [Draft((0,), self.spec_type) for _ in requests]
+
+
+@pytest.mark.parametrize("answer", list(WRONG_ANSWERS.values()), ids=list(WRONG_ANSWERS))
+def test_propose_returning_a_non_draft_costs_its_sequence_only(answer):
+    bad, good, out_bad, out_good = run_pair([Wrong(answer)])
+    assert out_bad == plain(BAD_PROMPT) and out_good == plain()
+    assert bad.spec_error and "wrong" in bad.spec_error
+    assert good.spec_error is None and good.stats.n_drafts > 0
+
+
+@pytest.mark.parametrize("answer", [("a", "b"), "ab", 5, [0, 1, 2], [[0], [1]], [Draft((0,)), (0,)]],
+                         ids=["tuple", "string", "int", "list of ints", "list of lists", "one non-draft"])
+def test_propose_batch_returning_non_drafts_costs_its_call_only(answer):
+    """propose_batch answers for all the sequences of its call: a wrong answer costs them all
+    their speculation (here both, the good one is in the same call), never the step."""
+    bad, good, out_bad, out_good = run_pair([WrongBatch(answer)])
+    assert out_bad == plain(BAD_PROMPT) and out_good == plain()
+    assert bad.spec_error and "wrong" in bad.spec_error
+
+
+# --- 2. a speculator raising a BaseException -------------------------------------------------------------
+class Fatal(BaseException):
+    pass
+
+
+BASE_EXCEPTIONS = {"SystemExit": SystemExit(3), "GeneratorExit": GeneratorExit(), "custom": Fatal("fatal")}
+
+
+class Raiser:
+    """Raises `error` in the hook `where` for the bad prompt's sequence."""
+
+    spec_type = "raiser"
+
+    def __init__(self, where, error):
+        self.where, self.error = where, error
+
+    def _maybe(self, name, seq):
+        if name == self.where and seq.tokens[0] == BAD_PROMPT[0]:
+            raise self.error
+
+    @hookimpl
+    def begin(self, seq):
+        self._maybe("begin", seq)
+
+    @hookimpl
+    def propose(self, seq, limits):
+        self._maybe("propose", seq)
+        return Draft((0,), self.spec_type)
+
+    @hookimpl
+    def accept(self, seq, draft, n_accepted, hidden):
+        self._maybe("accept", seq)
+
+
+class BatchRaiser:
+    spec_type = "raiser"
+
+    def __init__(self, error):
+        self.error = error
+
+    @hookimpl
+    def propose_batch(self, requests):
+        if any(r.seq.tokens[0] == BAD_PROMPT[0] for r in requests):
+            raise self.error
+        return [Draft((0,), self.spec_type) for _ in requests]
+
+
+class EndRaiser:
+    spec_type = "raiser"
+
+    def __init__(self, error):
+        self.error = error
+
+    @hookimpl
+    def end(self, seq_id):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", list(BASE_EXCEPTIONS.values()), ids=list(BASE_EXCEPTIONS))
+@pytest.mark.parametrize("where", ["begin", "propose", "accept", "propose_batch"])
+def test_base_exception_in_a_hook_costs_its_sequence_only(where, error):
+    spec = BatchRaiser(error) if where == "propose_batch" else Raiser(where, error)
+    bad, good, out_bad, out_good = run_pair([spec])
+    assert out_bad == plain(BAD_PROMPT) and out_good == plain()
+    assert bad.spec_error and type(error).__name__ in bad.spec_error
+    if where != "propose_batch":  # a batched call answers for both: both lose speculation
+        assert good.spec_error is None and good.stats.n_drafts > 0
+
+
+@pytest.mark.parametrize("error", list(BASE_EXCEPTIONS.values()), ids=list(BASE_EXCEPTIONS))
+def test_base_exception_in_end_does_not_escape_release(error):
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, adaptive=False), [EndRaiser(error)])
+    seq = engine.add(PROMPT, 5)
+    while engine.active():
+        engine.step()
+    engine.release(seq)
+    assert not engine.sequences and type(error).__name__ in seq.spec_error
+
+
+def test_keyboard_interrupt_is_not_swallowed():
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, adaptive=False), [Raiser("propose", KeyboardInterrupt())])
+    engine.add(BAD_PROMPT, 5)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+
+
+# --- 4. tiny temperatures ------------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [1e-30, 1e-39, 1e-45, 1e-300, 5e-324])
+def test_tiny_temperature_samples_like_greedy(t):
+    g = torch.Generator().manual_seed(0)
+    greedy = Sampler(SamplingParams())
+    for top_k in (40, 0):
+        s = Sampler(SamplingParams(temperature=t, top_k=top_k, top_p=1.0, min_p=0.0, seed=1))
+        for _ in range(20):
+            logits = torch.randn(1000, generator=g) * 20
+            p = s.probs(logits)
+            assert torch.isfinite(p).all() and float(p.sum()) == pytest.approx(1.0)
+            assert int(p.argmax()) == greedy.sample(logits) == s.sample(logits)
+
+
+@pytest.mark.parametrize("t", [1e-30, 1e-39])
+def test_tiny_temperature_decodes_like_greedy(t):
+    params = SamplingParams(temperature=t, top_k=0, top_p=1.0, min_p=0.0, seed=5)
+    assert plain(params=params) == plain()
+
+
+# --- the server -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("models"))
+
+
+def assert_error(status, body, want_status, *words):
+    assert status == want_status, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "code"} and err["code"] == want_status
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    return err
+
+
+@aiotest
+async def test_dead_engine_thread_refuses_work_and_fails_in_flight_requests(model, monkeypatch):
+    engine = make_engine(model)
+    entered = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def step():  # the thread dies in the middle of a request
+        loop.call_soon_threadsafe(entered.set)
+        raise Fatal("the engine thread is gone")
+
+    async with serve(engine, n_slots=2) as c:
+        assert (await c.get("/health")).status == 200
+        monkeypatch.setattr(engine, "step", step)
+        in_flight = asyncio.ensure_future(post(c, "/v1/chat/completions", CHAT))
+        await asyncio.wait_for(entered.wait(), 10)
+        status, body = await asyncio.wait_for(in_flight, 10)
+        assert_error(status, body, 500, "engine thread")
+        r = await c.get("/health")
+        assert r.status == 503 and "engine thread" in (await r.json())["error"]["message"]
+        status, body = await asyncio.wait_for(post(c, "/v1/chat/completions", CHAT), 10)
+        assert_error(status, body, 503, "engine thread")
+        status, body = await asyncio.wait_for(post(c, "/slots/0?action=erase", {}), 10)
+        assert_error(status, body, 503, "engine thread")
+
+
+SURROGATE_BODIES = [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}',
+     "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                             '"speculative": {"type": "\\udfff"}}', "speculative.type"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', "key"),
+    ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/completion", '{"prompt": "hi", "n_predict": 2, "speculative.type": "\\ud800"}', "speculative.type"),
+    ("/completion", '{"prompt": "hi", "n_predict": 2, "stop": ["x", "\\udc00"]}', "stop[1]"),
+    ("/tokenize", '{"content": "\\ud800"}', "content"),
+    ("/apply-template", '{"messages": [{"role": "\\ud800", "content": "x"}]}', "messages[0].role"),
+]
+
+
+@aiotest
+async def test_lone_surrogates_are_a_400_naming_the_field(model):
+    async with serve(make_engine(model)) as c:
+        for path, raw, field in SURROGATE_BODIES:
+            async with c.post(path, data=raw.encode()) as r:
+                assert r.headers["Content-Type"].startswith("application/json"), (path, raw, await r.text())
+                status, body = r.status, await r.json()
+            err = assert_error(status, body, 400, field, "surrogate")
+            assert "\n" not in err["message"]
+        # a proper pair is one character, not a lone surrogate
+        status, body = await post(c, "/tokenize", '{"content": "\\ud83d\\ude00"}')
+        assert status == 200 and body["tokens"]
+        status, body = await post(c, "/v1/chat/completions", CHAT)
+        assert status == 200
+
+
+UNSUPPORTED = [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": "text"}, "response_format"),
+    ({"grammar": "root ::= \"a\""}, "grammar"),
+    ({"json_schema": {}}, "json_schema"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"n": 2}, "'n'"),
+]
+ACCEPTED = [{"tools": []}, {"tools": None}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+            {"grammar": ""}, {"logprobs": False}]
+
+
+@aiotest
+async def test_unsupported_fields_are_rejected_not_ignored(model):
+    async with serve(make_engine(model)) as c:
+        for extra, field in UNSUPPORTED:
+            for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi", "max_tokens": 2})):
+                status, body = await post(c, path, {**base, **extra})
+                err = assert_error(status, body, 400, field)
+                assert err.get("param") == field.strip("'"), (extra, err)
+        for extra in ACCEPTED:
+            status, body = await post(c, "/v1/chat/completions", {**CHAT, **extra})
+            assert status == 200, (extra, body)
