@@ -10,7 +10,7 @@ from speculant import Draft, hookimpl
 from speculant.engine import Engine, EngineConfig
 from speculant.sampling import Sampler, SamplingParams
 
-from test_server_util import aiotest, make_engine, post, serve, tiny_model
+from test_server_util import aiotest, assert_error, make_engine, post, serve, tiny_model
 from toy_models import ToyModel
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -199,15 +199,6 @@ def test_tiny_temperature_decodes_like_greedy(t):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("models"))
-
-
-def assert_error(status, body, want_status, *words):
-    assert status == want_status, body
-    err = body["error"]
-    assert set(err) >= {"message", "type", "code"} and err["code"] == want_status
-    for w in words:
-        assert w in err["message"], (w, err["message"])
-    return err
 
 
 @aiotest

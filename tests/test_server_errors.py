@@ -2,7 +2,7 @@
 import pytest
 import structlog
 
-from test_server_util import Boom, Lookup, Slow, aiotest, make_engine, post, serve, sse, tiny_model
+from test_server_util import Boom, Lookup, Slow, aiotest, assert_error, make_engine, post, serve, sse, tiny_model
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4, "temperature": 0}
 
@@ -10,16 +10,6 @@ CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("models"))
-
-
-def assert_error(status, body, want_status, *words):
-    assert status == want_status, body
-    err = body["error"]
-    assert set(err) >= {"message", "type", "code"} and err["code"] == want_status
-    assert isinstance(err["message"], str) and err["message"]
-    for w in words:
-        assert w in err["message"], (w, err["message"])
-    return err
 
 
 async def still_serving(c):

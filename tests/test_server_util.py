@@ -113,6 +113,17 @@ async def serve(engine, **config):
         await client.close()
 
 
+def assert_error(status, body, want_status, *words):
+    """An error response in OpenAI's shape, with `want_status` and each of `words` in its message."""
+    assert status == want_status, body
+    err = body["error"]
+    assert set(err) >= {"message", "type", "code"} and err["code"] == want_status
+    assert isinstance(err["message"], str) and err["message"]
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    return err
+
+
 async def post(client, path, body, **kw):
     """(status, JSON) of a POST."""
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
