@@ -44,6 +44,7 @@ WRONG_ANSWERS = {
     "tokens not a sequence": Draft(7, "wrong"),
     "bool tokens": Draft((True,), "wrong"),
     "probs not a tensor": Draft((0, 1), "wrong", [[0.5]]),
+    "probs over another vocabulary": Draft((0, 1), "wrong", torch.full((2, 7), 1 / 7)),
 }
 
 

@@ -454,6 +454,9 @@ class Engine:
             if bad is not None:  # a broken speculator: never let it reach the target's embedding
                 seq.spec_error = f"{draft.spec_type} drafted token id {bad}, outside the vocabulary of {self.n_vocab}"
                 continue
+            if draft.probs is not None and draft.probs.shape[-1] != self.n_vocab:  # rejection sampling would fail the step
+                seq.spec_error = f"{draft.spec_type} drafted probabilities over {draft.probs.shape[-1]} tokens, the vocabulary has {self.n_vocab}"
+                continue
             keep = self.controller.best_length(draft.spec_type, len(draft))
             if keep < len(draft):
                 draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
