@@ -285,3 +285,72 @@ async def test_unsupported_fields_are_rejected_not_ignored(model):
         for extra in ACCEPTED:
             status, body = await post(c, "/v1/chat/completions", {**CHAT, **extra})
             assert status == 200, (extra, body)
+
+
+KILLER = '''
+from speculant import hookimpl
+
+
+class Killer:
+    spec_type = "killer"
+
+    def __init__(self, config):
+        pass
+
+    @hookimpl
+    def propose(self, seq, limits):
+        raise KeyboardInterrupt  # not a speculator's to swallow: it ends the engine thread
+
+
+@hookimpl
+def speculant_register_speculators(register):
+    register("killer", Killer)
+'''
+
+
+def test_serve_exits_non_zero_when_the_engine_thread_dies(tmp_path):
+    """`speculant serve` whose engine thread dies answers the in-flight request with an error and
+    exits with a non-zero code, so that a supervisor restarts it (it would stay up, refusing)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from fake_dists import write_dist
+    from speculant.testing.tiny_gguf import write_tiny_model
+
+    site = tmp_path / "site"
+    site.mkdir()
+    write_dist(site, "speculant-killer", "1.0", {"killer": "fakekiller"}, {"fakekiller.py": KILLER})
+    model = write_tiny_model(tmp_path / "tiny.gguf", "qwen2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), "SPECULANT_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "speculant.cli", "serve", "-m", model, "--port", str(port), "-c", "256",
+                               "-np", "1", "--spec-type", "killer"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        req = urllib.request.Request(url + "/completion", json.dumps({"prompt": "hello", "n_predict": 4}).encode(),
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(req, timeout=30)
+        assert failed.value.code == 500 and "engine thread died" in failed.value.read().decode()
+        code = server.wait(30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+        _, err = server.communicate()
+    assert code == 1, err
+    assert "the engine thread died (KeyboardInterrupt); exiting" in err

@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 
@@ -83,7 +84,7 @@ def cmd_serve(args) -> int:
     from speculant.sampling import SamplingParams
     from speculant.speculator import parse_spec_types
 
-    from speculant_server.app import ServerConfig, create_app
+    from speculant_server.app import STATE, ServerConfig, create_app
     from speculant_server.protocol import Defaults
 
     parse_spec_types(args.spec_type)  # an unknown spec type fails before the model loads
@@ -106,6 +107,10 @@ def cmd_serve(args) -> int:
                                  cache_ram=None if args.cache_ram < 0 else args.cache_ram << 20,
                                  slot_similarity=args.slot_prompt_similarity, slot_save_path=slot_save_path)
     app = create_app(engine, server_config)
+    worker = app[STATE].worker
+    # A dead engine thread cannot be brought back in the process: stop, so that a supervisor
+    # (systemd, Kubernetes) restarts the server; its in-flight requests have had their error.
+    worker.on_death = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     def announce(message: str = "", *_):  # aiohttp's "Running on http://HOST:PORT" names the port bound
         found = re.search(r"https?://[^\s]+", str(message))
@@ -117,6 +122,9 @@ def cmd_serve(args) -> int:
                     access_log=None, shutdown_timeout=5)
     except OSError as e:
         raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    if worker.died is not None:
+        print(f"speculant: error: the engine thread died ({worker.died}); exiting", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -107,6 +107,7 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._stopping = False
         self.died: str | None = None  # what killed the engine thread, if something did
+        self.on_death: Callable[[], None] | None = None  # then called once its requests are failed (serve: exit)
         self._thread = threading.Thread(target=self._run, name="speculant-engine", daemon=True)
 
     # --- called from the event loop ----------------------------------------------------------
@@ -185,6 +186,8 @@ class EngineWorker:
             self.died = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             log.critical("the engine thread died; the server refuses new requests", error=self.died, exc_info=True)
             self._drain(ApiError(500, f"generation failed: the engine thread died ({self.died})"), self._refusal())
+            if self.on_death is not None:
+                self.on_death()
             return
         self._drain(ApiError(503, "the server is shutting down"), ApiError(503, "the server is shutting down"))
 
