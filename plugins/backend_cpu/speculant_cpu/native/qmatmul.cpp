@@ -763,6 +763,27 @@ constexpr int Q4K_RUN_SUB[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 // are what runs out first), each weight block decoded once for all the groups.
 constexpr int TILED_ROWS = 8;
 
+// The exact integer sums of one activation group against R decoded weight rows: for each run of
+// RUN bytes (a sub-block), RUN / 4 vpdpbusd of the weight dwords broadcast against the group's
+// activation zmm, times the run's scale; isum[r] = sum over runs of scale(r, run) * run sum.
+template <int R, int RUN, class Scale>
+inline void tiled_isums(const uint8_t (*qb)[256], const int8_t* B, Scale scale, __m512i* isum) {
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int k = 0; k < 256 / RUN; ++k) {
+        __m512i c[R];
+        for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
+        for (int t = 0; t < RUN / 4; ++t) {
+            const __m512i bz = _mm512_loadu_si512(B + 64 * (RUN / 4 * k + t));  // not 64-aligned: loadu
+            for (int r = 0; r < R; ++r) {
+                int32_t w;
+                std::memcpy(&w, qb[r] + RUN * k + 4 * t, 4);
+                c[r] = _mm512_dpbusd_epi32(c[r], _mm512_set1_epi32(w), bz);
+            }
+        }
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(c[r], _mm512_set1_epi32(scale(r, k))));
+    }
+}
+
 void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0, int64_t i1,
                     float* y, int64_t ldy) {
     constexpr int R = TILED_ROWS;
@@ -790,23 +811,8 @@ void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Ac
         }
         for (int g = 0; g < ng; ++g) {
             const int64_t gb = (g0 + g) * nb + b;
-            const int8_t* B = a.bt.data() + gb * 4096;  // not 64-aligned: loadu
-            __m512i isum[R];
-            for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-            for (int k = 0; k < 8; ++k) {  // the 32-value runs, one sub-block each
-                __m512i c[R];
-                for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
-                for (int t = 0; t < 8; ++t) {
-                    const __m512i bz = _mm512_loadu_si512(B + 64 * (8 * k + t));
-                    for (int r = 0; r < R; ++r) {
-                        int32_t w;
-                        std::memcpy(&w, qb[r] + 32 * k + 4 * t, 4);
-                        c[r] = _mm512_dpbusd_epi32(c[r], _mm512_set1_epi32(w), bz);
-                    }
-                }
-                const int sub = Q4K_RUN_SUB[k];
-                for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(c[r], _mm512_set1_epi32(scm[r][sub])));
-            }
+            __m512i isum[R];  // the 32-value runs of q4k_values' order, one sub-block each
+            tiled_isums<R, 32>(qb, a.bt.data() + gb * 4096, [&](int r, int k) { return (int32_t)scm[r][Q4K_RUN_SUB[k]]; }, isum);
             const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
             const int32_t* bp = a.bp.data() + gb * 64;
             const __m512i bpz[4] = {_mm512_loadu_si512(bp), _mm512_loadu_si512(bp + 16),
@@ -860,22 +866,8 @@ void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Ac
         }
         for (int g = 0; g < ng; ++g) {
             const int64_t gb = (g0 + g) * nb + b;
-            const int8_t* B = a.bt.data() + gb * 4096;
-            __m512i isum[R];
-            for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-            for (int j = 0; j < 16; ++j) {
-                __m512i c[R];
-                for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
-                for (int t = 0; t < 4; ++t) {
-                    const __m512i bz = _mm512_loadu_si512(B + 64 * (4 * j + t));
-                    for (int r = 0; r < R; ++r) {
-                        int32_t w;
-                        std::memcpy(&w, qb[r] + 16 * j + 4 * t, 4);
-                        c[r] = _mm512_dpbusd_epi32(c[r], _mm512_set1_epi32(w), bz);
-                    }
-                }
-                for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(c[r], _mm512_set1_epi32(scs[r][j])));
-            }
+            __m512i isum[R];  // the 16-value sub-blocks in natural order
+            tiled_isums<R, 16>(qb, a.bt.data() + gb * 4096, [&](int r, int j) { return (int32_t)scs[r][j]; }, isum);
             const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
             const int32_t* bq = a.bq.data() + gb * 128;
             for (int r = 0; r < nr; ++r) {
