@@ -26,7 +26,8 @@ from speculant_cpu.backend import CpuBackend
 from speculant_transformer.gemma3 import Gemma3Model
 from speculant_transformer.llama import LlamaModel
 
-ARCHS = ["gemma3", "llama", "qwen2", "qwen3"]
+ARCHS = ["gemma3", "llama", "qwen2", "qwen3"]  # the transformer plugin's
+ALL_ARCHS = sorted(ARCHS + ["eagle3"])  # with the eagle3 plugin's head layout
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +85,7 @@ SPECULATOR_PLUGIN = """
 def test_first_party_plugins_are_found_as_entry_points():
     reg = load_registry()
     assert reg.names("backend") == ["cpu"]
-    assert reg.names("architecture") == ARCHS
+    assert reg.names("architecture") == ALL_ARCHS
     assert reg.get("backend", "cpu") is CpuBackend
     assert reg.get("architecture", "llama") == LlamaModel.load
     assert reg.get("architecture", "qwen2") == LlamaModel.load and reg.get("architecture", "qwen3") == LlamaModel.load
@@ -107,7 +108,7 @@ def test_extra_plugin_registers_a_speculator():
     assert "mine" in reg.names("speculator") and reg.get("speculator", "mine") is MySpec
     entry = reg.entries[("speculator", "mine")]
     assert entry.plugin.name == "mine-plugin" and entry.plugin.distribution == "(registered in process)"
-    assert reg.names("backend") == ["cpu"] and reg.names("architecture") == ARCHS  # installed ones still there
+    assert reg.names("backend") == ["cpu"] and reg.names("architecture") == ALL_ARCHS  # installed ones still there
     # a plain object (not a module) works too, and may register several kinds
     class Obj:
         @hookimpl
@@ -150,14 +151,14 @@ def test_same_name_from_two_plugins_is_an_error_naming_both():
 def test_disable_plugins_removes_the_architectures(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECULANT_DISABLE_PLUGINS", "transformer")
     reg = load_registry()
-    assert reg.names("architecture") == [] and reg.names("backend") == ["cpu"]
+    assert reg.names("architecture") == ["eagle3"] and reg.names("backend") == ["cpu"]
     assert "transformer" not in [p.name for p in reg.plugins] and "cpu" in [p.name for p in reg.plugins]
     path = write_tiny_model(tmp_path / "m.gguf", "llama")
-    with pytest.raises(ModelFileError, match="architecture 'llama' is not supported.*none installed"):
+    with pytest.raises(ModelFileError, match="architecture 'llama' is not supported \(supported: eagle3\)"):
         load_model(path, registry=reg, progress=False)
     monkeypatch.setenv("SPECULANT_DISABLE_PLUGINS", " transformer , cpu ")  # a comma list, spaces ignored
     reg = load_registry()
-    assert reg.names("architecture") == [] and reg.names("backend") == []
+    assert reg.names("architecture") == ["eagle3"] and reg.names("backend") == []
 
 
 def test_plugins_allow_list(monkeypatch):
@@ -178,7 +179,7 @@ def test_third_party_distribution_is_discovered(fake_dists):
     assert cls.__name__ == "Lookahead" and cls.__module__ == "fakeplug_lookahead"
     info = reg.entries[("speculator", "test-lookahead")].plugin
     assert (info.name, info.distribution, info.version, info.error) == ("lookahead", "speculant-lookahead", "2.3.1", None)
-    assert reg.names("backend") == ["cpu"] and reg.names("architecture") == ARCHS
+    assert reg.names("backend") == ["cpu"] and reg.names("architecture") == ALL_ARCHS
 
 
 def test_plugin_whose_import_fails_is_recorded_and_skipped(fake_dists):
@@ -194,7 +195,7 @@ def test_plugin_whose_import_fails_is_recorded_and_skipped(fake_dists):
     assert by_name["missing"].error.startswith("ModuleNotFoundError:") and "fakeplug_not_there" in by_name["missing"].error
     # everything else still loads
     assert by_name["lookahead"].error is None and "test-lookahead" in reg.names("speculator")
-    assert reg.names("backend") == ["cpu"] and reg.names("architecture") == ARCHS
+    assert reg.names("backend") == ["cpu"] and reg.names("architecture") == ALL_ARCHS
     with pytest.raises(SpeculantError, match=r"unknown backend 'cuda' \(available: cpu\)"):
         reg.get("backend", "cuda")
 

@@ -202,8 +202,11 @@ class SpeculatorChain:
             raise p.error
         return p.draft
 
-    def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict) -> None:
-        self._call("accept", seq=seq, draft=draft, n_accepted=n_accepted, hidden=hidden)
+    def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int = 0) -> None:
+        self._call("accept", seq=seq, draft=draft, n_accepted=n_accepted, hidden=hidden, hidden_start=hidden_start)
+
+    def prefill(self, seq: SequenceView, start: int, hidden: dict) -> None:
+        self._call("prefill", seq=seq, start=start, hidden=hidden)
 
     def truncate(self, seq: SequenceView, n: int) -> None:
         self._call("truncate", seq=seq, n=n)

@@ -142,7 +142,7 @@ class Sequence:
         return len(self.tokens) - self.n_prompt
 
     def view(self) -> SequenceView:
-        return SequenceView(self.seq_id, tuple(self.tokens), self.n_prompt)
+        return SequenceView(self.seq_id, tuple(self.tokens), self.n_prompt, max(0.0, self.sampler.params.temperature))
 
 
 # Prompt-end states a recurrent sequence keeps (llama.cpp's --ctx-checkpoints keeps 32 a slot).
@@ -387,7 +387,12 @@ class Engine:
         if not plan.prefill and len(plan.batch) == decode_rows:  # the cost model is of verification rows alone
             self.controller.observe_forward(len(plan.batch), seconds)
         new: dict[int, list[int]] = {}
+        hidden_row = sum(len(p.batch) for p in plan.decode)  # the prompt chunks' rows come last
         for p in plan.prefill:
+            if out.hidden:
+                hidden = {l: h[hidden_row : hidden_row + len(p.batch)] for l, h in out.hidden.items()}
+                self._spec_call(p.seq, self.chain.prefill, p.seq.view(), p.seq.n_cached, hidden)
+            hidden_row += len(p.batch)
             p.seq.n_cached += len(p.batch)
             p.seq.stats.prompt_seconds += seconds
             new[p.seq.seq_id] = []
@@ -474,6 +479,7 @@ class Engine:
         n_accepted = min(n_accepted, len(emitted))
         seq.tokens.extend(emitted)
 
+        first_row = seq.n_cached  # the position of this step's first row
         fed_end = seq.n_cached + n_rows  # the state now holds tokens up to here (pending + draft rows)
         kept_end = n_before + n_accepted  # ... of which these are right; the last emitted token is pending
         if self.recurrent and draft is not None and kept_end < fed_end:
@@ -487,7 +493,7 @@ class Engine:
             self.context.truncate(seq.seq_id, kept_end)
             seq.n_cached = kept_end
         seq.saved = None
-        self._spec_call(seq, self.chain.accept, seq.view(), draft, n_accepted, hidden)
+        self._spec_call(seq, self.chain.accept, seq.view(), draft, n_accepted, hidden, first_row)
 
         seq.stats.n_generated = seq.n_generated
         if emitted and emitted[-1] in self.eog:

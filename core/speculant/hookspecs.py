@@ -113,14 +113,24 @@ class SpeculatorSpec:
         implements both hooks, the chain uses this one."""
 
     @hookspec
-    def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict[int, Any]) -> None:
+    def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict[int, Any],
+               hidden_start: int) -> None:
         """The target verified ``draft`` and kept its first ``n_accepted`` tokens, then appended
         one token of its own; ``seq.tokens`` is the new history. ``draft`` is None on a step
         without a draft, or was made by another speculator of the chain. ``hidden`` maps
-        each layer the speculator asked for (``hidden_layers``) to the target's hidden states
-        of this step's rows, [rows, n_embd]: the rows fed since the last step (on a
-        sequence's first step, the part of its prompt that was not prefilled before, at most
-        512 rows, with its last token), then the draft's."""
+        each layer the speculator asked for (``hidden_layers``: a tuple of layer indices, as an
+        attribute of the speculator) to the target's hidden states of this step's rows,
+        [rows, n_embd], each row the output of that layer: the rows fed since the last step (on a
+        sequence's first step, the last chunk of its prompt, with its last token), then the
+        draft's. ``hidden_start`` is the position of the first row; rows past
+        ``hidden_start + rows - len(draft) + n_accepted`` belong to rejected draft tokens."""
+
+    @hookspec
+    def prefill(self, seq: SequenceView, start: int, hidden: dict[int, Any]) -> None:
+        """A chunk of the prompt, positions ``start`` to ``start + rows``, went into the target
+        without a decode step; ``hidden`` as in ``accept``. Called only when some speculator of
+        the chain asks for hidden states, so a drafter that reads them sees every position of
+        the prompt (the last chunk comes with the first ``accept``)."""
 
     @hookspec
     def truncate(self, seq: SequenceView, n: int) -> None:

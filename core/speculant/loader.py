@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
+from gguf import GGMLQuantizationType
+
 from tqdm import tqdm
 
 from speculant.errors import ModelFileError
@@ -11,6 +13,8 @@ from speculant.gguf.file import open_gguf
 from speculant.gguf.quants import SUPPORTED_TYPES
 from speculant.model import Model
 from speculant.plugins import Registry, default_registry
+
+INDEX_TYPES = frozenset(GGMLQuantizationType[n] for n in ("I8", "I16", "I32", "I64"))
 
 
 def load_model(path: str, backend: str = "cpu", registry: Registry | None = None, progress: bool = True,
@@ -26,7 +30,8 @@ def load_model(path: str, backend: str = "cpu", registry: Registry | None = None
         known = ", ".join(registry.names("architecture")) or "none installed"
         raise ModelFileError(f"{path}: architecture '{arch}' is not supported (supported: {known})")
     for t in gguf.tensors.values():
-        if t.qtype not in SUPPORTED_TYPES:
+        # Integer tensors are index tables (an EAGLE3 head's d2t) that the architecture reads itself.
+        if t.qtype not in SUPPORTED_TYPES and t.qtype not in INDEX_TYPES:
             supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
             raise ModelFileError(f"{path}: tensor '{t.name}' has type {t.qtype.name}, which is not supported (supported: {supported})")
     builder = registry.get("architecture", arch)

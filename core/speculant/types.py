@@ -114,11 +114,14 @@ class DraftRequest:
 @attrs.frozen
 class SequenceView:
     """What a speculator sees of a sequence: its id, full token history (prompt + generated),
-    and how many of those tokens were the prompt. The history is a read-only tuple."""
+    how many of those tokens were the prompt, and the temperature the target samples it at (0:
+    greedy; a drafter that returns probabilities may draw its tokens at the same temperature).
+    The history is a read-only tuple."""
 
     seq_id: int
     tokens: tuple[int, ...]
     n_prompt: int
+    temperature: float = 0.0
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -81,6 +81,7 @@ class Driver:
         # Speculators that read the target's hidden states get a fixed function of the tokens.
         self.embed = torch.randn(n_vocab, n_embd, generator=torch.Generator().manual_seed(0)) if self.layers else None
         self.tokens: dict[int, list[int]] = {}
+        self.fed: dict[int, int] = {}  # tokens the target has computed (its state), as the engine's n_cached
         self.n_prompt: dict[int, int] = {}
         self.scripts: dict[int, list[int]] = {}
         self.log: list[Step] = []
@@ -91,6 +92,7 @@ class Driver:
     def begin(self, seq_id: int, text: list[int], n_prompt: int) -> None:
         """Start `seq_id` with text[:n_prompt] as its prompt; the target will continue with text."""
         self.tokens[seq_id], self.n_prompt[seq_id], self.scripts[seq_id] = list(text[:n_prompt]), n_prompt, list(text)
+        self.fed[seq_id] = 0
         self.hook.begin(seq=self.view(seq_id))
 
     def rescript(self, seq_id: int, text: list[int]) -> None:
@@ -126,7 +128,8 @@ class Driver:
                 self.hook.checkpoint(seq=view, action="save")
                 if meddle:
                     junk = SequenceView(view.seq_id, view.tokens + tuple(reversed(view.tokens[-5:])), view.n_prompt)
-                    self.hook.accept(seq=junk, draft=None, n_accepted=0, hidden=self._hidden(junk.tokens[-6:]))
+                    self.hook.accept(seq=junk, draft=None, n_accepted=0, hidden=self._hidden(junk.tokens[-6:]),
+                                     hidden_start=len(junk.tokens) - 6)
                     if self.batched:
                         self.hook.propose_batch(requests=[DraftRequest(junk, limits)])
                     else:
@@ -139,11 +142,18 @@ class Driver:
             if draft is not None:
                 while n_acc < len(draft) and at + n_acc < len(text) and draft.tokens[n_acc] == text[at + n_acc]:
                     n_acc += 1
-            rows = [toks[-1], *(draft.tokens if draft is not None else ())]
+            # The step's rows, as the engine feeds them: the tokens the target has not computed
+            # (on the first step, the prompt), then the draft.
+            start = self.fed[seq_id]
+            rows = [*toks[start:], *(draft.tokens if draft is not None else ())]
             toks.extend(text[at : at + n_acc + 1])
+            restored = checkpoint and draft is not None and n_acc < len(draft)
             if checkpoint and draft is not None:
-                self.hook.checkpoint(seq=self.view(seq_id), action="restore" if n_acc < len(draft) else "discard")
-            self.hook.accept(seq=self.view(seq_id), draft=draft, n_accepted=n_acc, hidden=self._hidden(rows))
+                self.hook.checkpoint(seq=self.view(seq_id), action="restore" if restored else "discard")
+            if not restored:  # a restored state computes the kept tokens again next step
+                self.fed[seq_id] = len(toks) - 1
+            self.hook.accept(seq=self.view(seq_id), draft=draft, n_accepted=n_acc, hidden=self._hidden(rows),
+                             hidden_start=start)
             steps.append(Step(seq_id, at, raw, n_acc))
         self.log.extend(steps)
         return steps
@@ -163,6 +173,7 @@ class Driver:
 
     def truncate(self, seq_id: int, n: int) -> None:
         del self.tokens[seq_id][n:]
+        self.fed[seq_id] = min(self.fed[seq_id], n)
         self.hook.truncate(seq=self.view(seq_id), n=n)
 
     def resume(self, seq_id: int, text: list[int], n_prompt: int, n: int) -> None:
@@ -170,11 +181,12 @@ class Driver:
         shares the first n tokens with the history; the target then continues with text."""
         assert text[:n] == self.tokens[seq_id][:n]
         self.tokens[seq_id], self.n_prompt[seq_id], self.scripts[seq_id] = list(text[:n_prompt]), n_prompt, list(text)
+        self.fed[seq_id] = min(self.fed[seq_id], n)
         self.hook.truncate(seq=self.view(seq_id), n=n)
 
     def end(self, seq_id: int) -> None:
         self.hook.end(seq_id=seq_id)
-        for d in (self.tokens, self.n_prompt, self.scripts):
+        for d in (self.tokens, self.fed, self.n_prompt, self.scripts):
             d.pop(seq_id, None)
 
     def drafts(self, seq_id: int | None = None, since: int = 0) -> list[Step]:

@@ -22,6 +22,20 @@ class TinyModels:
     prompts: list[list[int]]  # repeated segments of byte tokens, 24 to 40 tokens long
     greedy: list[list[int]]  # plain decoding's N_NEW tokens for each prompt, temperature 0
     n_new: int = N_NEW
+    directory: str = ""
+    drafts: dict = attrs.field(factory=dict)
+
+    def draft_for(self, speculator_class) -> str:
+        """The -md file for a speculator class: its `contract_draft_model` for this target (made
+        once), else the plain draft model."""
+        make = getattr(speculator_class, "contract_draft_model", None)
+        if make is None:
+            return self.draft_path
+        if make not in self.drafts:
+            sub = os.path.join(self.directory, f"draft-{len(self.drafts)}")
+            os.makedirs(sub, exist_ok=True)
+            self.drafts[make] = make(self.target_path, sub)
+        return self.drafts[make]
 
     @classmethod
     def create(cls, directory: str | os.PathLike, registry) -> "TinyModels":
@@ -38,4 +52,4 @@ class TinyModels:
         seqs = [engine.add(p, N_NEW, SamplingParams()) for p in prompts]
         while engine.active():
             engine.step()
-        return cls(target, target_path, draft_path, prompts, [s.tokens[s.n_prompt:] for s in seqs])
+        return cls(target, target_path, draft_path, prompts, [s.tokens[s.n_prompt:] for s in seqs], directory=str(directory))

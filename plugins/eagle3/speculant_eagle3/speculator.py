@@ -1,0 +1,267 @@
+"""--spec-type eagle3 (llama.cpp: draft-eagle3): drafting from the target's own hidden states.
+
+The speculator asks the engine for the target's states entering its three tap layers
+(`hidden_layers`: the output of the layer before each tap) and turns every committed row into
+g = fc(taps) as the engine hands them over (`prefill` for prompt chunks, `accept` for each step).
+g is kept per sequence for every position (float16), so a history cut anywhere (`truncate`, the
+prompt cache) can be resumed.
+
+The head's KV cache (one context for all sequences, under the target's sequence ids) holds at
+position P the pair (t_{P+1}, g_P), so it can be written only once the token after P is known.
+It is brought up to date lazily, like draft-simple's: at the next proposal, the rows not yet
+written (normally the accepted tokens and the correction) go in as the first draft step, whose
+last row predicts the first draft token; each further step feeds (draft token, the previous
+step's pre-norm state) at the next position. Rows written from drafts are cut away before the
+next proposal. Every step is one batched head forward for all sequences still drafting.
+
+At temperature 0 the draft is the head's argmax (p_min, n_min and n_max as llama.cpp's); at
+temperature T > 0 draft tokens are sampled from the head's softmax at T and returned with those
+probabilities, so the engine verifies them by rejection sampling.
+"""
+from __future__ import annotations
+
+import sys
+
+import attrs
+import torch
+
+from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model
+from speculant.speculator import SpeculatorConfig
+
+from speculant_eagle3.head import Eagle3Head
+
+_models: dict[tuple, Eagle3Head] = {}
+
+
+def load_head(path: str, backend: str, threads: int | None) -> Eagle3Head:
+    import os
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SpeculantError(f"{path}: cannot read the EAGLE3 head: {e.strerror or e}") from None
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, backend, threads)
+    head = _models.get(key)
+    if head is None:
+        head = load_model(path, backend=backend, progress=sys.stderr.isatty(), threads=threads)
+        if not isinstance(head, Eagle3Head):
+            raise SpeculantError(f"{path}: not an EAGLE3 head (architecture '{head.info.architecture}'); "
+                                 "use --spec-type draft-simple for a draft model")
+        _models[key] = head
+    return head
+
+
+@attrs.define
+class _Seq:
+    g: torch.Tensor  # [capacity, n_embd] float16: g of every position computed so far
+    n_g: int = 0  # g holds positions [0, n_g)
+    written: int = 0  # the head's KV holds the real rows of positions [0, written)
+
+    def put(self, start: int, rows: torch.Tensor) -> bool:
+        """Store g of positions start.. (later positions are forgotten); False if there is a gap."""
+        if start > self.n_g:
+            return False
+        end = start + len(rows)
+        if end > len(self.g):
+            grown = self.g.new_zeros(max(end, 2 * len(self.g)), self.g.shape[1])
+            grown[: self.n_g] = self.g[: self.n_g]
+            self.g = grown
+        self.g[start:end] = rows.to(self.g.dtype)
+        self.n_g = end
+        self.written = min(self.written, start)
+        return True
+
+
+@attrs.define
+class _Drafting:
+    index: int
+    seq_id: int
+    n_max: int
+    n_min: int
+    p_min: float
+    temperature: float
+    generator: torch.Generator | None
+    tokens: list[int] = attrs.field(factory=list)
+    probs: list[torch.Tensor] = attrs.field(factory=list)
+
+
+class Eagle3:
+    spec_type = "eagle3"
+
+    @staticmethod
+    def contract_draft_model(target_path: str, directory: str) -> str:
+        """The contract suite's head: random, for its tiny target."""
+        import os
+
+        from speculant_eagle3.testing import write_random_head
+
+        return write_random_head(os.path.join(directory, "eagle3-head.gguf"), target_path, n_draft_vocab=256)[0]
+
+    def __init__(self, config: SpeculatorConfig):
+        if not config.draft_model:
+            raise SpeculantError(f"spec type {config.spec_type} needs an EAGLE3 head: pass -md HEAD.gguf")
+        target = config.target
+        if target is None:
+            raise SpeculantError(f"spec type {config.spec_type} needs the target model")
+        self.head = load_head(config.draft_model, config.backend, config.option("threads", None))
+        c = self.head.config
+        n_layers = target.info.n_layers
+        if c.target_hidden != target.info.n_embd:
+            raise SpeculantError(f"EAGLE3 head {config.draft_model} was made for a target with n_embd {c.target_hidden}, "
+                                 f"{target.info.path} has {target.info.n_embd}")
+        bad = [l for l in c.target_layers if not 1 <= l <= n_layers]
+        if bad:
+            raise SpeculantError(f"EAGLE3 head {config.draft_model} taps layer {bad[0]}, the target has layers 1..{n_layers} to tap")
+        if c.n_target_vocab and abs(c.n_target_vocab - target.info.n_vocab) > 128:
+            raise SpeculantError(f"EAGLE3 head {config.draft_model} has a vocabulary of {c.n_target_vocab}, the target {target.info.n_vocab}")
+        # The input of tap layer l is the output of layer l - 1 (speculant's hidden states are layer outputs).
+        self.taps = tuple(l - 1 for l in c.target_layers)
+        self.hidden_layers = tuple(sorted(set(self.taps)))
+        self.embed = getattr(target, "embed", None) if self.head.parts["token_embd"] is None else None
+        self.output = getattr(target, "output", None) if self.head.parts["output"] is None else None
+        if self.head.parts["token_embd"] is None and self.embed is None:
+            raise SpeculantError(f"EAGLE3 head {config.draft_model} borrows token embeddings, the target model lends none")
+        if self.head.parts["output"] is None and self.output is None:
+            raise SpeculantError(f"EAGLE3 head {config.draft_model} borrows the lm_head, the target model lends none")
+        max_tokens = int(config.option("ctx_size", 0) or 0) or (1 << 20)
+        self.context = self.head.new_context(max_tokens)
+        self.n_vocab = target.info.n_vocab
+        d2t = self.head.d2t
+        if d2t is not None and int(d2t.max()) >= self.n_vocab:
+            raise SpeculantError(f"EAGLE3 head {config.draft_model} maps draft ids to target id {int(d2t.max())}, beyond the target's vocabulary")
+        self.d2t = d2t
+        self.seed = int(config.option("seed", 0) or 0)
+        self.seqs: dict[int, _Seq] = {}
+
+    # --- what the target computed ------------------------------------------------------------
+    def _taps(self, hidden: dict) -> torch.Tensor | None:
+        if any(l not in hidden for l in self.taps):
+            return None
+        return torch.cat([hidden[l] for l in self.taps], dim=-1)
+
+    def _state(self, seq_id: int) -> _Seq:
+        state = self.seqs.get(seq_id)
+        if state is None:
+            state = self.seqs[seq_id] = _Seq(torch.zeros(256, self.head.config.n_embd, dtype=torch.float16))
+        return state
+
+    def _store(self, seq_id: int, start: int, hidden: dict, n_valid: int) -> None:
+        taps = self._taps(hidden)
+        if taps is None or n_valid <= 0:
+            return
+        state = self._state(seq_id)
+        if not state.put(start, self.head.encode(taps[:n_valid])):
+            state.n_g = min(state.n_g, start)  # a gap: drafting waits until rows line up again
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    @hookimpl
+    def begin(self, seq: SequenceView) -> None:
+        self.end(seq.seq_id)
+        self._state(seq.seq_id)
+
+    @hookimpl
+    def prefill(self, seq: SequenceView, start: int, hidden: dict) -> None:
+        rows = len(next(iter(hidden.values()))) if hidden else 0
+        self._store(seq.seq_id, start, hidden, rows)
+
+    @hookimpl
+    def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int) -> None:
+        rows = len(next(iter(hidden.values()))) if hidden else 0
+        n_pending = rows - (len(draft) if draft is not None else 0)
+        # Rows of rejected draft tokens computed states for a history that did not happen.
+        n_valid = min(n_pending + n_accepted, len(seq.tokens) - hidden_start)
+        self._store(seq.seq_id, hidden_start, hidden, n_valid)
+
+    @hookimpl
+    def truncate(self, seq: SequenceView, n: int) -> None:
+        state = self.seqs.get(seq.seq_id)
+        if state is not None:
+            state.n_g = min(state.n_g, n)
+            state.written = min(state.written, max(0, n - 1))  # row n-1 pairs g with token n, which may change
+
+    @hookimpl
+    def end(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+        self.context.drop(seq_id)
+
+    # --- drafting ------------------------------------------------------------------------------
+    @hookimpl
+    def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
+        return self.propose_batch([DraftRequest(seq, limits)])[0]
+
+    @hookimpl
+    def propose_batch(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        out: list[Draft | None] = [None] * len(requests)
+        active: list[_Drafting] = []
+        parts: list[tuple[Batch, torch.Tensor]] = []
+        for i, r in enumerate(requests):
+            seq, state = r.seq, self.seqs.get(r.seq.seq_id)
+            n = len(seq.tokens)
+            # The first draft step needs g of every position up to the one before the last token.
+            if r.limits.n_max <= 0 or state is None or state.n_g < n - 1 or n < 2:
+                continue
+            # Cut the draft rows of the last proposal; row n-2 is computed again if need be, as
+            # its logits give the first draft token.
+            self.context.truncate(seq.seq_id, min(state.written, n - 2))
+            start = self.context.length(seq.seq_id)
+            tokens = seq.tokens[start + 1 : n]
+            parts.append((Batch.for_sequence(seq.seq_id, start, tokens, logits="last"), state.g[start : n - 1]))
+            state.written = n - 1
+            temperature = float(getattr(seq, "temperature", 0.0) or 0.0)
+            gen = None
+            if temperature > 0:
+                gen = torch.Generator().manual_seed(hash((self.seed, seq.seq_id, n, seq.tokens[-1])) & (2**63 - 1))
+            active.append(_Drafting(i, seq.seq_id, r.limits.n_max, r.limits.n_min, r.limits.p_min, temperature, gen))
+        try:
+            while active:
+                batch = Batch.concat([b for b, _ in parts])
+                logits, prenorm = self.head.decode(batch, self.context, torch.cat([g for _, g in parts]).float(),
+                                                   self.embed, self.output)
+                ends = [sum(len(b) for b, _ in parts[: j + 1]) - 1 for j in range(len(parts))]
+                still, parts = [], []
+                for row, (a, end) in enumerate(zip(active, ends)):
+                    token, p, probs = self._pick(logits[row], a)
+                    if p < a.p_min:
+                        self._finish(out, a)
+                        continue
+                    a.tokens.append(token)
+                    if probs is not None:
+                        a.probs.append(probs)
+                    if len(a.tokens) >= a.n_max:
+                        self._finish(out, a)
+                        continue
+                    pos = batch.positions[end] + 1
+                    still.append(a)
+                    parts.append((Batch.for_sequence(a.seq_id, pos, [token], logits="last"), prenorm[end : end + 1]))
+                active = still
+        except BaseException:
+            for a in active:  # the head's rows for these sequences are unknown now: write them again
+                self.context.drop(a.seq_id)
+                self.seqs[a.seq_id].written = 0
+            raise
+        return out
+
+    def _pick(self, logits: torch.Tensor, a: _Drafting) -> tuple[int, float, torch.Tensor | None]:
+        """The next draft token (a target id), its probability under the head, and at temperature
+        > 0 the head's distribution over the target's vocabulary that it was sampled from."""
+        logits = logits.float()
+        if a.temperature <= 0:
+            top = int(torch.argmax(logits))
+            p = float(torch.exp(logits[top] - torch.logsumexp(logits, -1)))
+            return self._target_id(top), p, None
+        q = torch.softmax(logits / a.temperature, -1)
+        pick = int(torch.multinomial(q, 1, generator=a.generator))
+        full = torch.zeros(self.n_vocab)
+        if self.d2t is None:
+            full[: min(len(q), self.n_vocab)] = q[: self.n_vocab]
+        else:
+            full[self.d2t] = q
+        return self._target_id(pick), float(q[pick]), full
+
+    def _target_id(self, draft_id: int) -> int:
+        return int(self.d2t[draft_id]) if self.d2t is not None else draft_id
+
+    def _finish(self, out: list[Draft | None], a: _Drafting) -> None:
+        if a.tokens and len(a.tokens) >= a.n_min:
+            probs = torch.stack(a.probs) if a.probs and len(a.probs) == len(a.tokens) else None
+            out[a.index] = Draft(tuple(a.tokens), self.spec_type, probs)

@@ -1,0 +1,182 @@
+"""EAGLE3 on tiny models: llama.cpp's layout read back, the inference head equal to the
+trainer's module (training-time test included), drafting kept in step with the target through
+rejections and prompt chunks, and exactness alone, in chains and for concurrent sequences."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from speculant import Batch, ModelFileError, SpeculantError
+from speculant.engine import Engine, EngineConfig
+from speculant.loader import load_model
+from speculant.sampling import SamplingParams
+from speculant.speculator import build_speculators
+from speculant.testing.tiny_gguf import write_tiny_model
+from speculant_eagle3 import Eagle3, Eagle3Head, read_config
+from speculant_eagle3.layout import write_head
+from speculant_eagle3.testing import write_random_head
+
+N_DRAFT = 300
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eagle3")
+    target_path = write_tiny_model(d / "target.gguf", "qwen2", n_layers=4, n_embd=64, n_ctx=2048)
+    head_path, net, d2t = write_random_head(d / "head.gguf", target_path, n_draft_vocab=N_DRAFT)
+    torch.set_num_threads(1)
+    target = load_model(target_path, progress=False)
+    return SimpleNamespace(dir=d, target_path=target_path, target=target, head_path=head_path, net=net, d2t=d2t)
+
+
+def make(tiny, names=("eagle3",), **options):
+    return build_speculators(list(names), {"seed": 3, **options}, target=tiny.target, draft_model=tiny.head_path)
+
+
+def run(model, prompts, n, speculators=(), params=SamplingParams(), **config):
+    engine = Engine(model, EngineConfig(n_ctx=2048, **{"draft_n_max": 5, "adaptive": False, **config}), list(speculators))
+    seqs = [engine.add(p, n, params) for p in prompts]
+    while engine.active():
+        engine.step()
+    return engine, [s.tokens[s.n_prompt:] for s in seqs]
+
+
+def prompts(n, length, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, length).tolist() for _ in range(n)]
+
+
+def test_layout_read_back(tiny):
+    head = load_model(tiny.head_path, progress=False)
+    assert isinstance(head, Eagle3Head)
+    c = head.config
+    assert c.target_layers == tiny.net.cfg.target_layers and c.n_draft_vocab == N_DRAFT and c.target_hidden == 64
+    assert head.d2t.tolist() == tiny.d2t.tolist()
+    with pytest.raises(SpeculantError, match="EAGLE3 head"):
+        head.forward(None, None)
+
+
+def test_missing_keys_and_bad_files_are_one_line_errors(tiny, tmp_path):
+    net = tiny.net
+    bad = net.cfg.__class__(**{**net.cfg.__dict__, "target_layers": (1, 2)}) if False else None
+    weights = net.gguf_weights()
+    del weights["blk.0.attn_norm_2.weight"]
+    path = tmp_path / "broken.gguf"
+    write_head(str(path), net.cfg, weights, target_path=tiny.target_path)
+    with pytest.raises(ModelFileError, match="attn_norm_2"):
+        load_model(str(path), progress=False)
+    with pytest.raises(SpeculantError, match="not an EAGLE3 head"):
+        build_speculators(["eagle3"], {}, target=tiny.target, draft_model=tiny.target_path)
+    with pytest.raises(SpeculantError, match="-md"):
+        build_speculators(["eagle3"], {}, target=tiny.target, draft_model=None)
+
+
+def test_head_matches_the_training_module(tiny):
+    """Step 0 over a history, then two draft steps from one anchor: the inference head (fp16 KV,
+    the backend's kernels) computes what the trainer's unrolled module computes."""
+    head = load_model(tiny.head_path, progress=False)
+    T = 16
+    gen = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, 500, (1, T + 3), generator=gen)
+    taps = torch.randn(1, T, 3 * 64, generator=gen)
+    with torch.no_grad():
+        ref = tiny.net.unrolled(toks, taps, 3)
+    ctx = head.new_context(64)
+    logits, pre = head.decode(Batch.for_sequence(0, 0, toks[0, :T].tolist(), logits="all"), ctx, head.encode(taps[0]),
+                              tiny.target.embed)
+    scale = ref[0].abs().max()
+    assert (logits - ref[0][0]).abs().max() < 0.02 * scale
+    anchor = 9
+    ctx.truncate(0, anchor + 1)
+    g = pre[anchor : anchor + 1]
+    for j in (1, 2):
+        step, g = head.decode(Batch.for_sequence(0, anchor + j, [int(toks[0, anchor + j])], logits="all"), ctx, g,
+                              tiny.target.embed)
+        assert (step[0] - ref[j][0, anchor]).abs().max() < 0.02 * scale
+
+
+@pytest.mark.parametrize("chain", [("eagle3",), ("draft-eagle3",), ("ngram-simple", "eagle3")])
+def test_greedy_equals_plain_for_concurrent_sequences(tiny, chain):
+    ps = prompts(3, 20) + [prompts(1, 700, seed=5)[0]]  # one prompt longer than a prefill chunk
+    _, plain = run(tiny.target, ps, 24)
+    engine, out = run(tiny.target, ps, 24, make(tiny, chain))
+    assert out == plain
+    stats = engine.spec_stats.get(chain[-1])
+    assert stats is not None and stats.drafted > 0
+
+
+def test_drafts_equal_a_fresh_computation(tiny):
+    """After many steps with rejections and a long prompt fed in chunks, each draft is what the
+    trainer's module computes from scratch over the whole history: nothing drifts."""
+    spec = make(tiny)[0]
+    seen = []
+    original = spec.propose_batch
+
+    def spy(requests):
+        out = original(requests)
+        seen.extend((r.seq.tokens, d) for r, d in zip(requests, out) if d is not None)
+        return out
+    spy.speculant_impl = original.speculant_impl
+    spec.propose_batch = spy  # before the engine registers the speculator's hooks
+    engine = Engine(tiny.target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), [spec])
+    engine.add(prompts(1, 600, seed=2)[0], 40, SamplingParams())
+    while engine.active():
+        engine.step()
+    assert len(seen) >= 5
+    t2d = {int(t): i for i, t in enumerate(tiny.d2t)}
+    for history, draft in seen[-4:]:
+        n = len(history)
+        ctx = tiny.target.new_context(2048)
+        hidden = {}
+        for start in range(0, n, 256):
+            out = tiny.target.forward(Batch.for_sequence(0, start, list(history[start : start + 256]), logits="none"), ctx,
+                                      hidden_layers=spec.hidden_layers)
+            for l, h in out.hidden.items():
+                hidden.setdefault(l, []).append(h)
+        taps = torch.cat([torch.cat(hidden[l - 1]) for l in tiny.net.cfg.target_layers], -1)[None, : n - 1]
+        ext = list(history) + list(draft.tokens)
+        with torch.no_grad():
+            steps = tiny.net.unrolled(torch.tensor([ext[1:]]), taps, len(draft))
+        for j, token in enumerate(draft.tokens):
+            top2 = steps[j][0, n - 2].topk(2)
+            if float(top2.values[0] - top2.values[1]) > 0.05:  # not a near tie
+                assert t2d[token] == int(top2.indices[0]), f"draft token {j} differs from a fresh computation"
+
+
+def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):
+    """At temperature > 0 drafts come with the head's distribution over the target vocabulary
+    (rejection sampling); the first tokens are distributed as plain sampling's (chi-square)."""
+    params = lambda seed: SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+    spec = make(tiny)[0]
+    prompt = prompts(1, 12, seed=9)[0]
+    drafts = []
+    original = spec.propose_batch
+    spy = lambda requests: [drafts.append(d) or d for d in original(requests)]
+    spy.speculant_impl = original.speculant_impl
+    spec.propose_batch = spy
+    engine = Engine(tiny.target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), [spec])
+    engine.add(prompt, 6, params(1))
+    while engine.active():
+        engine.step()
+    got = [d for d in drafts if d is not None]
+    assert got and all(d.probs is not None and d.probs.shape == (len(d), tiny.target.info.n_vocab) for d in got)
+    # distribution of the second generated token (the first that can be drafted), 300 runs each
+    def second_tokens(speculators):
+        out = []
+        for seed in range(300):
+            eng = Engine(tiny.target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), speculators)
+            s = eng.add(prompt, 3, params(seed))
+            while eng.active():
+                eng.step()
+            out.append(s.tokens[s.n_prompt + 1])
+        return out
+    a, b = second_tokens([]), second_tokens(make(tiny))
+    keys = sorted(set(a) | set(b))
+    ca, cb = np.array([a.count(k) for k in keys]), np.array([b.count(k) for k in keys])
+    big = (ca + cb) >= 10
+    chi2 = (((ca - cb) ** 2) / np.maximum(ca + cb, 1))[big].sum() + ((ca[~big].sum() - cb[~big].sum()) ** 2) / max(1, (ca + cb)[~big].sum())
+    dof = int(big.sum())
+    assert chi2 < dof + 5 * np.sqrt(2 * dof) + 10, f"chi2 {chi2:.1f} with {dof} bins"
