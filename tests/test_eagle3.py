@@ -180,3 +180,30 @@ def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):
     chi2 = (((ca - cb) ** 2) / np.maximum(ca + cb, 1))[big].sum() + ((ca[~big].sum() - cb[~big].sum()) ** 2) / max(1, (ca + cb)[~big].sum())
     dof = int(big.sum())
     assert chi2 < dof + 5 * np.sqrt(2 * dof) + 10, f"chi2 {chi2:.1f} with {dof} bins"
+
+
+def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
+    """`speculant train eagle3` with tiny settings: data, a checkpoint, a head that loads and
+    drafts; a rerun with more steps resumes from the checkpoint instead of starting over."""
+    import json
+
+    from speculant.cli import main
+
+    data, out = tmp_path / "data", tmp_path / "head.gguf"
+    args = ["train", "eagle3", "-m", tiny.target_path, "-o", str(out), "--data", str(data), "--source",
+            "core/speculant/*.py", "--tokens", "2000", "--piece-tokens", "100", "--batch", "2", "--window", "32",
+            "--draft-vocab", "200", "--ffn", "64", "--save-every", "5", "--qtype", "F32", "--precision", "fp32"]
+    assert main(args + ["--steps", "10"]) == 0
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["tokens"] >= 2000 and manifest["taps"] == [1, 2, 3]
+    assert torch.load(data / "ckpt.pt", weights_only=False)["step"] == 10
+    assert main(args + ["--steps", "15"]) == 0
+    assert torch.load(data / "ckpt.pt", weights_only=False)["step"] == 15
+    assert json.loads((data / "manifest.json").read_text())["tokens"] == manifest["tokens"]  # not collected again
+    head = load_model(str(out), progress=False)
+    assert head.config.n_draft_vocab == 200 and head.config.n_ff == 64
+    spec = build_speculators(["eagle3"], {}, target=tiny.target, draft_model=str(out))
+    ps = prompts(2, 30, seed=4)
+    _, plain = run(tiny.target, ps, 16)
+    engine, out_tokens = run(tiny.target, ps, 16, spec)
+    assert out_tokens == plain and engine.spec_stats["eagle3"].drafted > 0

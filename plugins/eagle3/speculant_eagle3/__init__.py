@@ -34,3 +34,14 @@ def speculant_register_speculators(register):
 @hookimpl
 def speculant_register_architectures(register):
     register(ARCH, lambda gguf, backend, progress: Eagle3Head.load(gguf, backend, progress))
+
+
+@hookimpl
+def speculant_add_commands(subparsers, register):
+    """`speculant train eagle3 ...` (trainers of other drafters will join `train`)."""
+    from speculant_eagle3.train.command import add_parser, run
+
+    p = subparsers.add_parser("train", help="train a drafter for a target model")
+    methods = p.add_subparsers(dest="method", required=True, metavar="METHOD")
+    add_parser(methods)
+    register("train", run)

@@ -1,0 +1,207 @@
+"""Training a head on collected data: draft vocabulary, the training-time-test loss, checkpoints.
+
+* Draft vocabulary: the `n_draft_vocab` tokens the target predicts most often (top-1) on the
+  training documents, with the target's end-of-generation tokens always in; `d2t` maps them.
+* Loss: at unrolled step j the logits of anchor p are trained against the target's
+  distribution of the token at p + j + 2 (its top-K, renormalised over the draft vocabulary),
+  cross-entropy weighted 0.8^j; accuracy = the head's argmax equals the target's top-1.
+* The head starts from the target where the shapes allow it: lm_head rows from the target's
+  output head, output_norm from the target's; the rest is random (std 0.02).
+* Held-out: every 20th document (by a hash of its index) is never trained on; its per-step
+  accuracy is reported at each checkpoint and at the end.
+* Checkpoints (`ckpt.pt` in the data directory: weights, optimizer, step, vocabulary) every
+  `save_every` steps and at the end; a rerun resumes from it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speculant_eagle3.layout import HeadConfig
+from speculant_eagle3.train.data import Shards
+from speculant_eagle3.train.net import Eagle3Net
+
+STEP_WEIGHT = 0.8
+
+
+def split(docs: list, held_every: int = 20) -> tuple[list, list]:
+    train = [d for i, d in enumerate(docs) if i % held_every != held_every - 1]
+    held = [d for i, d in enumerate(docs) if i % held_every == held_every - 1]
+    return train, held
+
+
+def draft_vocabulary(shards: Shards, docs: list, n_draft: int, n_vocab: int, always: list[int]) -> np.ndarray:
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for s, a, b in docs:
+        np.add.at(counts, np.asarray(shards.shards[s]["top_ids"][a:b, 0]), 1)
+    counts[[t for t in always if 0 <= t < n_vocab]] = counts.max() + 1
+    chosen = np.argsort(-counts, kind="stable")[:n_draft]
+    return np.sort(chosen).astype(np.int64)
+
+
+class Batches:
+    """Random windows of `window` rows (each within one document) with their labels."""
+
+    def __init__(self, shards: Shards, docs: list, t2d: torch.Tensor, window: int, steps: int, seed: int):
+        self.shards, self.t2d, self.window, self.steps = shards, t2d, window, steps
+        self.docs = [d for d in docs if d[2] - d[1] >= steps + 8]
+        self.rng = np.random.default_rng(seed)
+
+    def window_of(self, doc) -> tuple[torch.Tensor, ...]:
+        s, a, b = doc
+        sh = self.shards.shards[s]
+        T = min(self.window, b - a - self.steps - 1)
+        start = a + int(self.rng.integers(0, b - a - self.steps - T)) if b - a - self.steps - T > 0 else a
+        # anchors p = start .. start+T-1; step j's token input t_{p+j+1}; its label: the target's
+        # distribution at position p + j + 1
+        tokens = torch.from_numpy(np.asarray(sh["tokens"][start + 1 : start + 1 + T + self.steps], dtype=np.int64))
+        taps = torch.from_numpy(np.asarray(sh["taps"][start : start + T], dtype=np.float32))
+        ids = torch.from_numpy(np.asarray(sh["top_ids"][start + 1 : start + 1 + T + self.steps], dtype=np.int64))
+        p = torch.from_numpy(np.asarray(sh["top_p"][start + 1 : start + 1 + T + self.steps], dtype=np.float32))
+        return tokens, taps, ids, p, T
+
+    def batch(self, n: int, docs=None):
+        docs = docs or self.docs
+        picks = [docs[int(i)] for i in self.rng.integers(0, len(docs), n)]
+        items = [self.window_of(d) for d in picks]
+        T = min(it[4] for it in items)
+        tokens = torch.stack([it[0][: T + self.steps] for it in items])
+        taps = torch.stack([it[1][:T] for it in items])
+        ids = torch.stack([it[2][: T + self.steps] for it in items])
+        p = torch.stack([it[3][: T + self.steps] for it in items])
+        return tokens, taps, self.labels(ids, p)
+
+    def labels(self, ids, p):
+        """Target top-K over the target vocabulary -> (draft ids [.., K], probabilities renormalised
+        over the draft vocabulary [.., K], the target's top-1 as a draft id or -1)."""
+        d = self.t2d[ids]
+        p = torch.where(d >= 0, p, torch.zeros_like(p))
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        return d.clamp_min(0), p, self.t2d[ids[..., 0]]
+
+
+def step_losses(net: Eagle3Net, tokens, taps, labels, steps: int):
+    d_ids, d_p, top1 = labels
+    outs = net.unrolled(tokens, taps, steps)
+    losses, accs = [], []
+    T = taps.shape[1]
+    for j, logits in enumerate(outs):
+        lp = F.log_softmax(logits.float(), dim=-1)
+        ids, p, t1 = d_ids[:, j : j + T], d_p[:, j : j + T], top1[:, j : j + T]
+        losses.append(-(lp.gather(-1, ids) * p).sum(-1).mean())
+        ok = t1 >= 0
+        accs.append(((logits.argmax(-1) == t1) & ok).sum().item() / max(1, ok.sum().item()))
+    return losses, accs
+
+
+def init_from_target(net: Eagle3Net, target_path: str, d2t: np.ndarray) -> None:
+    from speculant.gguf import dequantize, open_gguf
+
+    g = open_gguf(target_path)
+    out = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
+    rows = dequantize(out.data, out.qtype, out.shape)
+    norm = g.tensors["output_norm.weight"]
+    with torch.no_grad():
+        net.lm_head.weight.copy_(rows[torch.from_numpy(d2t)])
+        net.out_norm.weight.copy_(dequantize(norm.data, norm.qtype, norm.shape))
+        for name, p in net.named_parameters():
+            if p.dim() == 2 and not name.startswith("lm_head"):
+                p.normal_(0.0, 0.02)
+
+
+def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: int = 0) -> list[float]:
+    rng_state = batches.rng
+    batches.rng = np.random.default_rng(seed)
+    net.eval()
+    accs = np.zeros(steps)
+    with torch.no_grad():
+        for _ in range(max(1, n // 8)):
+            tokens, taps, labels = batches.batch(8, held)
+            accs += np.array(step_losses(net, tokens, taps, labels, steps)[1])
+    net.train()
+    batches.rng = rng_state
+    return (accs / max(1, n // 8)).tolist()
+
+
+def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
+          window: int = 256, steps: int = 3, lr: float = 3e-4, save_every: int = 100, seed: int = 0,
+          always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False):
+    """Train (or resume) and return (net, d2t, held-out accuracies). Stops early after
+    `time_limit` seconds with a checkpoint, so a later run continues. `bf16`: matmuls in
+    bfloat16 under autocast (weights and optimizer stay float32), 3-4x faster where the CPU
+    has AVX-512 BF16 or AMX."""
+    from tqdm import tqdm
+
+    shards = Shards(data_dir)
+    train_docs, held = split(shards.documents())
+    ckpt_path = Path(data_dir) / "ckpt.pt"
+    state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    if state is not None:
+        d2t = state["d2t"]
+    else:
+        d2t = draft_vocabulary(shards, train_docs, cfg.n_draft_vocab, cfg.n_target_vocab, list(always))
+    t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
+    t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
+    torch.manual_seed(seed)
+    net = Eagle3Net(cfg, embed)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    start = 0
+    if state is not None:
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+    else:
+        init_from_target(net, target_path, d2t)
+    warmup = min(100, total_steps // 10 + 1)
+    sched = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps)))))
+    batches = Batches(shards, train_docs, t2d, window, steps, seed + start)
+    held_batches = Batches(shards, held or train_docs[:8], t2d, window, steps, seed)
+
+    def save(step):
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "step": step, "d2t": d2t, "cfg": cfg}, tmp)
+        os.replace(tmp, ckpt_path)
+
+    t0 = time.time()
+    bar = tqdm(range(start, total_steps), initial=start, total=total_steps, desc="train eagle3", disable=not progress)
+    step = start
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr * sched(step)
+        tokens, taps, labels = batches.batch(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            losses, accs = step_losses(net, tokens, taps, labels, steps)
+            loss = sum(STEP_WEIGHT ** j * l for j, l in enumerate(losses))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+        if (step + 1) % save_every == 0:
+            save(step + 1)
+            log(f"step {step + 1}: loss {loss.item():.3f}, train acc {[round(a, 3) for a in accs]}, "
+                f"held-out acc {[round(a, 3) for a in evaluate(net, held_batches, held or train_docs[:8], steps)]}")
+        if time_limit is not None and time.time() - t0 > time_limit:
+            save(step + 1)
+            log(f"time limit: stopped at step {step + 1}, rerun to continue")
+            return net, d2t, None
+    else:
+        step = total_steps
+    save(step)
+    acc = evaluate(net, held_batches, held or train_docs[:8], steps, n=64)
+    return net, d2t, acc
+
+
+def bf16_default() -> bool:
+    """bfloat16 autocast pays off where the CPU computes bf16 dot products natively."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
