@@ -14,6 +14,7 @@ PACKAGES = {  # import name -> its folder
     "speculant_transformer": "plugins/transformer/speculant_transformer",
     "speculant_ngram": "plugins/ngram/speculant_ngram",
     "speculant_draft": "plugins/draft/speculant_draft",
+    "speculant_eagle3": "plugins/eagle3/speculant_eagle3",
     "speculant_suffix": "contrib/speculant-suffix/speculant_suffix",
 }
 
@@ -120,3 +121,24 @@ def test_the_cpu_backend_s_optional_kernels_match_the_declared_signatures():
         pass
     else:
         raise AssertionError("an undeclared kernel name must be refused")
+
+
+def test_each_first_party_plugin_installs_alone():
+    """Each plugin folder (and the server) is its own distribution: a pyproject.toml that
+    depends on the core, declares the entry point the root declares for it, and packages a
+    folder that imports no other plugin (so it installs with the core alone)."""
+    import tomllib
+
+    root = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["speculant"]
+    for pkg, folder in PACKAGES.items():
+        if pkg == "speculant" or folder.startswith("contrib/"):
+            continue
+        meta = tomllib.loads((ROOT / folder).parent.joinpath("pyproject.toml").read_text())
+        project = meta["project"]
+        assert any(d.startswith("speculant>=") for d in project["dependencies"]), f"{folder}: must depend on the core"
+        eps = project["entry-points"]["speculant"]
+        assert eps and all(root.get(name) == target for name, target in eps.items()), f"{folder}: entry points {eps} differ from the root's"
+        assert meta["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == [pkg]
+        others = [(m, mod) for m, f in modules().items() if m.split(".")[0] == pkg for mod, _ in imports(f)
+                  if mod.split(".")[0] in PACKAGES and mod.split(".")[0] not in (pkg, "speculant")]
+        assert not others, f"{pkg} imports another plugin, so it cannot install alone: {others}"
