@@ -64,17 +64,17 @@ def run(args) -> int:
     del target
     always = sorted(set(_eog_ids(args.model)))
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
-    net, d2t, acc = train(cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch,
+    net, d2t, acc, done = train(cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch,
                           window=args.window, steps=args.ttt, lr=args.lr, save_every=args.save_every, seed=args.seed,
                           always=always, log=log, progress=sys.stderr.isatty(), time_limit=remaining,
                           bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
-    if acc is None:
-        return 0
-    summary = {"tokens": manifest["tokens"], "steps": args.steps, "held_out_accuracy": [round(a, 4) for a in acc],
+    summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
+               "held_out_accuracy": [round(a, 4) for a in acc],
                "sources": sources, "draft_vocab": len(d2t), "ffn": args.ffn, "ttt": args.ttt}
     write_head(args.output, cfg, net.gguf_weights(), target_path=args.model, d2t=d2t, qtype=args.qtype,
                extra={"speculant.training": json.dumps(summary)})
-    log(f"wrote {args.output}: held-out top-1 accuracy per step {summary['held_out_accuracy']}")
+    log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per step {summary['held_out_accuracy']}"
+        + ("" if done >= args.steps else " (rerun the same command to continue)"))
     return 0
 
 

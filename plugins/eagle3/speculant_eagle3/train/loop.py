@@ -132,8 +132,8 @@ def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: i
 def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
           window: int = 256, steps: int = 3, lr: float = 3e-4, save_every: int = 100, seed: int = 0,
           always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False):
-    """Train (or resume) and return (net, d2t, held-out accuracies). Stops early after
-    `time_limit` seconds with a checkpoint, so a later run continues. `bf16`: matmuls in
+    """Train (or resume) and return (net, d2t, held-out accuracies, steps done). Stops early
+    after `time_limit` seconds with a checkpoint, so a later run continues. `bf16`: matmuls in
     bfloat16 under autocast (weights and optimizer stay float32), 3-4x faster where the CPU
     has AVX-512 BF16 or AMX."""
     from tqdm import tqdm
@@ -188,14 +188,14 @@ def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str,
             log(f"step {step + 1}: loss {loss.item():.3f}, train acc {[round(a, 3) for a in accs]}, "
                 f"held-out acc {[round(a, 3) for a in evaluate(net, held_batches, held or train_docs[:8], steps)]}")
         if time_limit is not None and time.time() - t0 > time_limit:
-            save(step + 1)
-            log(f"time limit: stopped at step {step + 1}, rerun to continue")
-            return net, d2t, None
+            step += 1
+            log(f"time limit: stopped at step {step} of {total_steps}, rerun to continue")
+            break
     else:
         step = total_steps
     save(step)
     acc = evaluate(net, held_batches, held or train_docs[:8], steps, n=64)
-    return net, d2t, acc
+    return net, d2t, acc, step
 
 
 def bf16_default() -> bool:
