@@ -21,8 +21,8 @@ from speculant.gguf import CHATML_TEMPLATE
 from speculant.logs import get_logger
 
 from speculant_server import metrics, slot_files
-from speculant_server.protocol import (ApiError, Defaults, GenRequest, bad, get_bool, get_str, get_tokens, parse_chat,
-                                       parse_completion, parse_json, parse_messages)
+from speculant_server.protocol import (ApiError, Defaults, GenRequest, Limits, bad, check_prompt_bytes, get_bool,
+                                       get_str, get_tokens, parse_chat, parse_completion, parse_json, parse_messages)
 from speculant_server.worker import Done, EngineWorker, Job, QueueFull
 
 log = get_logger("speculant.server")
@@ -42,6 +42,8 @@ class ServerConfig:
     cache_ram: int | None = 8192 << 20  # bytes of finished prompts' states kept beyond the slots (None: no limit)
     slot_similarity: float = 0.1  # llama-server's --slot-prompt-similarity
     slot_save_path: str | None = None
+    limits: Limits = attrs.field(factory=Limits)  # checked before tokenizing: prompt bytes, messages, stop strings
+    special_in_content: bool = False  # special-token texts in chat messages become control tokens (role injection)
 
 
 class ClientGone(Exception):
@@ -54,6 +56,7 @@ class State:
         self.model = engine.model
         self.tokenizer = engine.model.tokenizer
         self.n_ctx = engine.config.n_ctx
+        self.max_prompt_bytes = config.limits.prompt_bytes(self.n_ctx, getattr(self.tokenizer, "max_token_bytes", 256))
         self.worker = EngineWorker(engine, config.n_slots, config.queue_size, config.cache_ram, config.slot_similarity)
         self.spec_enabled = list(self.worker.spec_types)
         if spec_known is None:
@@ -146,12 +149,16 @@ def build_prompt(state: State, req: GenRequest) -> list[int]:
     if req.prompt_tokens is not None:
         return req.prompt_tokens
     if req.messages is not None:
+        # the messages' special-token texts stay text (no role injection) unless --special-in-content
         try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+            prompt = tok.chat_prompt(req.messages, add_generation_prompt=True,
+                                     special_in_content=state.config.special_in_content)
         except Exception as e:  # the template rejected the conversation (roles, order, ...)
             raise bad(f"the chat template could not render the messages: {e}") from None
-        return tok.encode(text, add_special=True, parse_special=True)
-    return tok.encode(req.prompt_text, add_special=True, parse_special=True)
+        check_prompt_bytes(prompt.text, state.max_prompt_bytes, "messages")
+        return prompt.encode()
+    check_prompt_bytes(req.prompt_text, state.max_prompt_bytes, "prompt")
+    return tok.encode(req.prompt_text, add_special=True, parse_special=True)  # a raw prompt: specials parsed, as llama-server
 
 
 # --- response shapes ------------------------------------------------------------------------------------
@@ -353,7 +360,7 @@ async def _stream(request, fmt, events) -> web.StreamResponse:
 async def chat_completions(request: web.Request):
     state = request.app[STATE]
     body = await read_json(request)
-    req = parse_chat(body, state.config.defaults, state.spec_enabled, state.spec_known)
+    req = parse_chat(body, state.config.defaults, state.spec_enabled, state.spec_known, state.config.limits)
     return await generate(request, req, ChatFormat)
 
 
@@ -361,7 +368,7 @@ async def completions(request: web.Request):
     state = request.app[STATE]
     body = await read_json(request)
     req = parse_completion(body, "completions", state.config.defaults, state.spec_enabled, state.spec_known,
-                           state.tokenizer.n_vocab)
+                           state.tokenizer.n_vocab, state.config.limits)
     return await generate(request, req, CompletionsFormat)
 
 
@@ -369,7 +376,7 @@ async def completion(request: web.Request):
     state = request.app[STATE]
     body = await read_json(request)
     req = parse_completion(body, "completion", state.config.defaults, state.spec_enabled, state.spec_known,
-                           state.tokenizer.n_vocab)
+                           state.tokenizer.n_vocab, state.config.limits)
     return await generate(request, req, LlamaFormat)
 
 
@@ -386,6 +393,7 @@ async def tokenize(request: web.Request):
     tok = state.tokenizer
 
     def run():
+        check_prompt_bytes(content, state.max_prompt_bytes, "content")
         ids = tok.encode(content, add_special=add_special, parse_special=parse_special)
         if not with_pieces:
             return {"tokens": ids}
@@ -411,7 +419,7 @@ async def detokenize(request: web.Request):
 async def apply_template(request: web.Request):
     state = request.app[STATE]
     body = await read_json(request)
-    messages = parse_messages(body)
+    messages = parse_messages(body, state.config.limits)
 
     def run():
         try:

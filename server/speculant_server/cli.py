@@ -33,6 +33,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="default max tokens per request, -1 = until the end of the context (default -1)")
     g.add_argument("--max-body-size", type=int_in(1), default=16 * 2**20, help="largest request body in bytes (default 16 MiB)")
     g.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
+    g = p.add_argument_group("request limits (checked before a prompt is tokenized)")
+    g.add_argument("--max-prompt-bytes", type=int_in(-1), default=-1, metavar="BYTES",
+                   help="largest prompt text (a chat prompt as rendered) in UTF-8 bytes; larger ones get 413 before "
+                        "tokenizing (default -1: what the context could hold, ctx-size times the longest token's "
+                        "bytes, at least 64 KiB; 0: no limit)")
+    g.add_argument("--max-messages", type=int_in(1), default=2048, help="most messages in a chat request (default 2048)")
+    g.add_argument("--max-stop-strings", type=int_in(0), default=64, help="most 'stop' strings in a request (default 64)")
+    g.add_argument("--max-stop-length", type=int_in(1), default=512, metavar="CHARS",
+                   help="longest 'stop' string, in characters (default 512)")
+    g.add_argument("--special-in-content", action="store_true",
+                   help="parse special-token texts inside chat messages as control tokens, as before: a message "
+                        "could then open turns of other roles (default: they are text)")
     g = p.add_argument_group("prompt cache")
     g.add_argument("-cram", "--cache-ram", type=int_in(-1), default=8192, metavar="MiB",
                    help="memory for the states of finished prompts beyond the slots' own, reused when a later prompt "
@@ -85,7 +97,7 @@ def cmd_serve(args) -> int:
     from speculant.speculator import parse_spec_types
 
     from speculant_server.app import STATE, ServerConfig, create_app
-    from speculant_server.protocol import Defaults
+    from speculant_server.protocol import Defaults, Limits
 
     parse_spec_types(args.spec_type)  # an unknown spec type fails before the model loads
     try:  # a taken port fails before the model loads too
@@ -105,7 +117,10 @@ def cmd_serve(args) -> int:
     server_config = ServerConfig(n_slots=args.parallel, queue_size=args.queue_size, api_keys=keys, alias=args.alias,
                                  max_body_size=args.max_body_size, defaults=defaults, draft_model=args.spec_draft_model,
                                  cache_ram=None if args.cache_ram < 0 else args.cache_ram << 20,
-                                 slot_similarity=args.slot_prompt_similarity, slot_save_path=slot_save_path)
+                                 slot_similarity=args.slot_prompt_similarity, slot_save_path=slot_save_path,
+                                 limits=Limits(args.max_prompt_bytes, args.max_messages, args.max_stop_strings,
+                                               args.max_stop_length),
+                                 special_in_content=args.special_in_content)
     app = create_app(engine, server_config)
     worker = app[STATE].worker
     # A dead engine thread cannot be brought back in the process: stop, so that a supervisor

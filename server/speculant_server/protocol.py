@@ -149,15 +149,25 @@ def get_str(body: dict, key: str, default: Any = None) -> Any:
     return v
 
 
-def get_stop(body: dict) -> list[str]:
+def get_stop(body: dict, limits: Limits | None = None) -> list[str]:
     v = body.get("stop")
     if v is None:
         return []
     if isinstance(v, str):
-        return [v] if v else []
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return [s for s in v if s]
-    raise bad(f"'stop' must be a string or an array of strings, got {_json_type(v)}", param="stop")
+        stops = [v] if v else []
+    elif isinstance(v, list) and all(isinstance(s, str) for s in v):
+        stops = [s for s in v if s]
+    else:
+        raise bad(f"'stop' must be a string or an array of strings, got {_json_type(v)}", param="stop")
+    limits = limits or Limits()
+    if len(stops) > limits.max_stop_strings:
+        raise bad(f"'stop' has {len(stops)} strings, more than the {limits.max_stop_strings} allowed "
+                  "(--max-stop-strings)", param="stop")
+    longest = max(map(len, stops), default=0)
+    if longest > limits.max_stop_length:
+        raise bad(f"a 'stop' string has {longest} characters, more than the {limits.max_stop_length} allowed "
+                  "(--max-stop-length)", param="stop")
+    return stops
 
 
 def get_tokens(v: Any, key: str, n_vocab: int) -> list[int]:
@@ -168,6 +178,43 @@ def get_tokens(v: Any, key: str, n_vocab: int) -> list[int]:
         if not 0 <= t < n_vocab:
             raise bad(f"token id {t} in '{key}' is out of range (the vocabulary has {n_vocab} tokens)", param=key)
     return tokens
+
+
+# --- limits ------------------------------------------------------------------------------------------
+PROMPT_BYTES_FLOOR = 64 << 10  # the automatic --max-prompt-bytes is never below this
+
+
+@attrs.frozen
+class Limits:
+    """What a request may ask for, checked before anything is tokenized (the serve command's flags):
+    tokenizing, rendering and stop matching cost time in proportion to these, however soon the
+    request would be refused afterwards (a 7 MB prompt costs tens of seconds of tokenizer time)."""
+
+    max_prompt_bytes: int = -1  # prompt text in UTF-8 bytes (rendered chat prompt); -1: automatic, 0: no limit
+    max_messages: int = 2048  # OpenAI's own limit on 'messages'
+    max_stop_strings: int = 64
+    max_stop_length: int = 512  # characters of one stop string
+
+    def prompt_bytes(self, n_ctx: int, max_token_bytes: int) -> int | None:
+        """The prompt size limit in bytes (None: none). Automatic: what `n_ctx` tokens could hold at
+        most (each token stands for at most `max_token_bytes` bytes), so no prompt that fits the
+        context is refused; at least PROMPT_BYTES_FLOOR, so that a prompt a little too long still
+        gets the exact token count in its error."""
+        if self.max_prompt_bytes == 0:
+            return None
+        if self.max_prompt_bytes > 0:
+            return self.max_prompt_bytes
+        return max(PROMPT_BYTES_FLOOR, n_ctx * max_token_bytes)
+
+
+def check_prompt_bytes(text: str, limit: int | None, param: str) -> None:
+    """413 when `text` is over `limit` UTF-8 bytes: cheap, so it runs before the tokenizer does."""
+    if limit is None or len(text) * 4 <= limit:  # a character is at most 4 bytes
+        return
+    n = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    if n > limit:
+        raise ApiError(413, f"the prompt is {n} bytes, more than this server takes: {limit} bytes (--max-prompt-bytes)",
+                       param=param, n_prompt_bytes=n, max_prompt_bytes=limit)
 
 
 # --- the generation request ------------------------------------------------------------------------
@@ -256,12 +303,16 @@ def _max_tokens(body: dict, keys: tuple[str, ...], default: int) -> int | None:
     return None if default < 0 else default
 
 
-def parse_messages(body: dict) -> list[dict]:
+def parse_messages(body: dict, limits: Limits | None = None) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
         raise bad("'messages' is required", param="messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array of messages", param="messages")
+    max_messages = (limits or Limits()).max_messages
+    if len(msgs) > max_messages:
+        raise bad(f"'messages' has {len(msgs)} messages, more than the {max_messages} allowed (--max-messages)",
+                  param="messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -299,7 +350,8 @@ def _unsupported(body: dict) -> None:
             raise bad(f"'{key}' is not supported by this server", param=key)
 
 
-def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], known: list[str]) -> GenRequest:
+def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], known: list[str],
+            limits: Limits | None) -> GenRequest:
     n = get_int(body, "n", 1)
     if n != 1:
         raise bad(f"'n' must be 1 (one completion per request), got {n}", param="n")
@@ -313,21 +365,22 @@ def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], k
     include_usage = get_bool(opts or {}, "include_usage")
     keys = ("n_predict", "max_tokens") if endpoint == "completion" else ("max_completion_tokens", "max_tokens")
     return GenRequest(endpoint, max_tokens=_max_tokens(body, keys, defaults.n_predict),
-                      params=sampling_params(body, defaults.params), stops=get_stop(body), stream=stream,
+                      params=sampling_params(body, defaults.params), stops=get_stop(body, limits), stream=stream,
                       include_usage=include_usage, spec=spec_override(body, enabled, known),
                       cache_prompt=get_bool(body, "cache_prompt", True))
 
 
-def parse_chat(body: dict, defaults: Defaults, enabled: list[str], known: list[str]) -> GenRequest:
-    req = _common(body, "chat", defaults, enabled, known)
-    req.messages = parse_messages(body)
+def parse_chat(body: dict, defaults: Defaults, enabled: list[str], known: list[str],
+               limits: Limits | None = None) -> GenRequest:
+    req = _common(body, "chat", defaults, enabled, known, limits)
+    req.messages = parse_messages(body, limits)
     return req
 
 
 def parse_completion(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], known: list[str],
-                     n_vocab: int) -> GenRequest:
+                     n_vocab: int, limits: Limits | None = None) -> GenRequest:
     """/v1/completions (endpoint "completions") or llama-server's /completion ("completion")."""
-    req = _common(body, endpoint, defaults, enabled, known)
+    req = _common(body, endpoint, defaults, enabled, known, limits)
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("'prompt' is required", param="prompt")
