@@ -38,7 +38,7 @@ def load_workloads(path: str) -> list[dict]:
 def prompt_tokens(model, workload: dict) -> list[int]:
     tok = model.tokenizer
     if "messages" in workload:
-        return tok.encode(tok.apply_chat_template(workload["messages"], add_generation_prompt=True))
+        return tok.encode_chat(workload["messages"], add_generation_prompt=True)
     return tok.encode(workload["prompt"], parse_special=False)
 
 

@@ -59,8 +59,7 @@ def cmd_generate(args) -> int:
 
     tok = model.tokenizer
     if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt = tok.encode(text, add_special=True, parse_special=True)
+        prompt = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
         prompt = tok.encode(args.prompt, add_special=True, parse_special=False)
     engine = Engine(model, *engine_setup(args, model))

@@ -73,10 +73,8 @@ def pieces(files: list[str], tokenizer, piece_tokens: int):
             chunks.append(chunk)
         for j, body in enumerate(chunks):
             ask = ASKS[(i + j) % len(ASKS)].format(name=name)
-            turn = tokenizer.apply_chat_template(
-                [{"role": "user", "content": ask}, {"role": "assistant", "content": f"```{lang}\n{body}```"}],
-                add_generation_prompt=False)
-            ids = tokenizer.encode(turn, add_special=True, parse_special=True)[: piece_tokens + 64]
+            ids = tokenizer.encode_chat([{"role": "user", "content": ask}, {"role": "assistant", "content": f"```{lang}\n{body}```"}],
+                                        add_generation_prompt=False)[: piece_tokens + 64]
             if len(ids) >= 32:
                 yield path, ids
 
