@@ -47,6 +47,18 @@ def run_specbench(args, out: str, label: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
 
+def peak_rss_mb(pid: int) -> float | None:
+    """The server's peak resident memory (VmHWM), while it still runs."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def read(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -75,6 +87,9 @@ def main() -> int:
             run_specbench(args, single, args.label).wait()
             rows = read(single)
             summary["single"] = [{k: r.get(k) for k in ("workload", "completion_tokens", "ttft_s", "decode_tok_s", "text")} for r in rows]
+            for s, r in zip(summary["single"], rows):  # drafted and accepted tokens, where the server reports them
+                t = r.get("timings") or {}
+                s["draft_n"], s["draft_n_accepted"] = t.get("draft_n"), t.get("draft_n_accepted")
             if args.clients:
                 t0 = time.perf_counter()
                 procs = [run_specbench(args, os.path.join(tmp, f"c{i}.jsonl"), f"{args.label}-c{i}") for i in range(args.clients)]
@@ -84,13 +99,16 @@ def main() -> int:
                 tokens = sum(r["completion_tokens"] or 0 for i in range(args.clients) for r in read(os.path.join(tmp, f"c{i}.jsonl")))
                 summary["concurrent"] = {"clients": args.clients, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
     finally:
+        summary["peak_rss_mb"] = peak_rss_mb(server.pid)
         server.terminate()
         server.wait(timeout=30)
     with open(args.out, "a") as f:
         f.write(json.dumps(summary) + "\n")
     for r in summary["single"]:
         ttft = r["ttft_s"] or 0.0
-        print(f"{args.label:<24} {r['workload']:<18} tokens {r['completion_tokens']:>4}  ttft {ttft:6.2f} s  decode {r['decode_tok_s'] or 0:6.2f} tok/s")
+        drafted = f"  drafted {r['draft_n']} accepted {r['draft_n_accepted']}" if r.get("draft_n") is not None else ""
+        print(f"{args.label:<24} {r['workload']:<18} tokens {r['completion_tokens']:>4}  ttft {ttft:6.2f} s  decode {r['decode_tok_s'] or 0:6.2f} tok/s{drafted}")
+    print(f"{args.label:<24} peak RSS {summary['peak_rss_mb']} MB")
     if "concurrent" in summary:
         c = summary["concurrent"]
         print(f"{args.label:<24} {c['clients']} concurrent clients: {c['tokens']} tokens in {c['wall_s']:.1f} s = {c['tok_s']:.2f} tok/s")
