@@ -287,6 +287,8 @@ def test_handmade_file_is_what_gguf_py_reads(tmp_path):
     ("block", r"malformed GGUF header: tensor 'q' of type Q8_0 has shape \[2, 33\]"),
     ("string_len", r"truncated GGUF header"),  # a length far past the end of the file
     ("array_len", r"truncated GGUF header"),
+    ("nested_deep", r"malformed GGUF header: metadata key 'x' has arrays nested more than 8 deep"),  # was RecursionError
+    ("nested_5000", r"malformed GGUF header: metadata key 'x' has arrays nested more than 8 deep"),
 ])
 def test_malformed_values(tmp_path, case, pattern):
     arch = _kv("general.architecture", 8, _s("llama"))
@@ -314,9 +316,19 @@ def test_malformed_values(tmp_path, case, pattern):
         kvs.append(_s("x") + struct.pack("<IQ", 8, 2**62) + b"abc")
     elif case == "array_len":
         kvs.append(_kv("x", 9, struct.pack("<IQ", 4, 2**40) + b"\0" * 16))
+    elif case.startswith("nested"):
+        depth = 9 if case == "nested_deep" else 5000
+        kvs.append(_kv("x", 9, struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQ", 4, 1) + b"\0" * 4))
     path = tmp_path / f"{case}.gguf"
     path.write_bytes(_gguf(kvs, tis, bytes(4096)))
     _raises(path, pattern)
+
+
+def test_nested_arrays_up_to_the_limit_are_flattened(tmp_path):
+    nested = struct.pack("<IQ", 9, 2) + (struct.pack("<IQ", 9, 1) * 6 + struct.pack("<IQ", 4, 1) + struct.pack("<I", 7)) * 2
+    path = tmp_path / "nested8.gguf"
+    path.write_bytes(_gguf([_kv("general.architecture", 8, _s("llama")), _kv("x", 9, nested)], [_ti("w", [4], 0)], bytes(64)))
+    assert open_gguf(path).metadata["x"] == [7, 7]  # 8 levels: the outer array, 6 between, the u32 one
 
 
 # ------------------------------------------------------------------------------------------------

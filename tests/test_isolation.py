@@ -2,6 +2,7 @@
 only its own sequences their speculation, a dead engine thread makes the server refuse work, and
 odd request bodies (lone surrogates, unsupported fields, tiny temperatures) get clear answers."""
 import asyncio
+import time
 
 import pytest
 import torch
@@ -22,9 +23,9 @@ def plain(prompt=PROMPT, n=30, params=SamplingParams()):
     return list(Engine(ToyModel(), EngineConfig(n_ctx=256)).generate(prompt, n, params))
 
 
-def run_pair(speculators):
+def run_pair(speculators, **config):
     """The bad and the good prompt decoded together; (bad seq, good seq, their outputs)."""
-    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, adaptive=False), speculators)
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, adaptive=False, **config), speculators)
     bad, good = engine.add(BAD_PROMPT, 30), engine.add(PROMPT, 30)
     outs = {bad.seq_id: [], good.seq_id: []}
     while engine.active():
@@ -174,6 +175,128 @@ def test_keyboard_interrupt_is_not_swallowed():
     engine.add(BAD_PROMPT, 5)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
+
+
+# --- a per-call deadline: a slow speculator costs its own sequences their speculation, once ----------------
+class Sluggish:
+    """Takes `seconds` in `where` (sleeping, or spinning with the GIL held) for the bad prompt's
+    sequence; drafts token 0 otherwise. Counts its calls per first prompt token."""
+
+    spec_type = "sluggish"
+
+    def __init__(self, where, seconds=0.3, spin=False):
+        self.where, self.seconds, self.spin = where, seconds, spin
+        self.calls = {}
+
+    def _wait(self, name, tokens):
+        if name != self.where:
+            return
+        self.calls[tokens[0]] = self.calls.get(tokens[0], 0) + 1
+        if tokens[0] == BAD_PROMPT[0]:
+            end = time.perf_counter() + self.seconds
+            while time.perf_counter() < end:
+                if not self.spin:
+                    time.sleep(self.seconds / 10)
+
+    @hookimpl
+    def propose(self, seq, limits):
+        self._wait("propose", seq.tokens)
+        return Draft((0,), self.spec_type)
+
+    @hookimpl
+    def accept(self, seq, draft, n_accepted, hidden):
+        self._wait("accept", seq.tokens)
+
+
+class SluggishBatch(Sluggish):
+    @hookimpl
+    def propose_batch(self, requests):
+        bad = any(r.seq.tokens[0] == BAD_PROMPT[0] for r in requests)
+        self._wait("propose_batch", BAD_PROMPT if bad else requests[0].seq.tokens)
+        return [Draft((0,), self.spec_type) for _ in requests]
+
+
+@pytest.mark.parametrize("spin", [False, True], ids=["sleeping", "spinning"])
+@pytest.mark.parametrize("where", ["propose", "accept"])
+def test_a_call_past_the_deadline_costs_its_sequence_only(where, spin):
+    spec = Sluggish(where, spin=spin)
+    t0 = time.perf_counter()
+    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=0.1)
+    assert out_bad == plain(BAD_PROMPT) and out_good == plain()
+    assert bad.spec_error and "SpeculatorTimeout" in bad.spec_error and "deadline" in bad.spec_error
+    assert good.spec_error is None and good.stats.n_drafts > 0
+    # never asked again once late: a propose call's first for a sequence is not held to the
+    # deadline (it may feed the prompt), so it slowed the engine twice; accept once
+    assert spec.calls[BAD_PROMPT[0]] == (2 if where == "propose" else 1)
+    assert time.perf_counter() - t0 < 6 * spec.seconds
+
+
+def test_a_batched_call_past_the_deadline_costs_its_call():
+    spec = SluggishBatch("propose_batch")
+    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=0.1)
+    assert out_bad == plain(BAD_PROMPT) and out_good == plain()
+    assert "SpeculatorTimeout" in bad.spec_error and "SpeculatorTimeout" in good.spec_error
+
+
+def test_a_late_draft_is_dropped_not_verified():
+    spec = Sluggish("propose")
+    bad, _, _, _ = run_pair([spec], spec_deadline=0.1)
+    assert bad.stats.n_drafts == 1  # the first call's draft; the second came late
+
+
+class SlowStart(Sluggish):
+    """Slow at its first propose for the bad prompt's sequence only, as a draft model that feeds
+    the prompt there; fast afterwards."""
+
+    def _wait(self, name, tokens):
+        if self.calls.get(tokens[0], 0) == 0:
+            super()._wait(name, tokens)
+        else:
+            self.calls[tokens[0]] += 1
+
+
+def test_the_first_call_for_a_sequence_may_catch_up_on_its_prompt():
+    spec = SlowStart("propose")
+    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=0.1)
+    assert out_bad == plain(BAD_PROMPT) and out_good == plain()
+    assert bad.spec_error is None and bad.stats.n_drafts > 1
+
+
+def test_truncate_starts_the_catch_up_again():
+    from speculant.chain import SpeculatorChain
+    from speculant.types import DraftLimits, SequenceView
+
+    spec = Sluggish("propose", seconds=0.2)
+    chain = SpeculatorChain([spec], deadline=0.1)
+    seq = SequenceView(7, tuple(BAD_PROMPT), len(BAD_PROMPT), 0.0)
+    chain.begin(seq)
+    assert chain.propose(seq, DraftLimits(4)) is not None  # the first: not timed
+    chain.truncate(seq, 3)
+    assert chain.propose(seq, DraftLimits(4)) is not None  # the first since the truncate
+    with pytest.raises(Exception, match="deadline"):
+        chain.propose(seq, DraftLimits(4))
+
+
+def test_no_deadline_keeps_a_slow_speculator():
+    spec = Sluggish("propose", seconds=0.02)
+    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=None)
+    assert bad.spec_error is None and bad.stats.n_drafts > 0 and out_bad == plain(BAD_PROMPT)
+    assert spec.calls[BAD_PROMPT[0]] > 1
+
+
+def test_spec_deadline_flag():
+    import argparse
+
+    from speculant.flags import add_model_args, add_spec_args, engine_setup
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_spec_args(p)
+    assert engine_setup(p.parse_args(["-m", "x"]), None)[0].spec_deadline == 5.0
+    assert engine_setup(p.parse_args(["-m", "x", "--spec-deadline", "0.5"]), None)[0].spec_deadline == 0.5
+    assert engine_setup(p.parse_args(["-m", "x", "--spec-deadline", "0"]), None)[0].spec_deadline is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["-m", "x", "--spec-deadline", "-1"])
 
 
 # --- 4. tiny temperatures ------------------------------------------------------------------------------

@@ -22,7 +22,10 @@ import pluggy
 import torch
 
 from speculant import hookspecs
+from speculant.logs import get_logger
 from speculant.types import Draft, DraftLimits, DraftRequest, SequenceView
+
+log = get_logger(__name__)
 
 
 @attrs.define
@@ -45,6 +48,13 @@ class SpeculatorFault(Exception):
     subclass of its own). Carried as an Exception so that every handler of speculator failures
     treats it alike: only its sequences lose speculation, the engine thread goes on.
     KeyboardInterrupt is not converted: it is the user's, not the speculator's."""
+
+
+class SpeculatorTimeout(Exception):
+    """A speculator's propose call took longer than the chain's per-call deadline: its answer is
+    dropped and the sequences of the call lose speculation, so that a slow plugin slows the engine
+    once, not at every step. (A call cannot be pre-empted: one that never returns still holds the
+    engine thread; see SpeculatorChain.deadline.)"""
 
 
 def _fault(e: BaseException) -> Exception:
@@ -89,8 +99,15 @@ def _trim(draft: Draft, n_max: int) -> Draft:
 
 
 class SpeculatorChain:
-    def __init__(self, speculators: list[Any]):
+    """``deadline``: seconds a propose (or propose_batch) call may take (None: no limit). A call
+    over it is measured, not interrupted: its draft is dropped and SpeculatorTimeout is the error
+    of each of its sequences. A speculator's first call for a sequence after `begin` or `truncate`
+    is not held to it: it may catch up on the prompt there (a draft model feeds it lazily)."""
+
+    def __init__(self, speculators: list[Any], deadline: float | None = None):
         self.speculators = list(speculators)
+        self.deadline = deadline
+        self._asked: dict[int, set[str]] = {}  # seq_id -> speculators asked since its begin or truncate
         self.pm = pluggy.PluginManager("speculant")
         self.pm.add_hookspecs(hookspecs.SpeculatorSpec)
         for i, spec in reversed(list(enumerate(self.speculators))):
@@ -128,6 +145,7 @@ class SpeculatorChain:
             self.hook_seconds += time.perf_counter() - t
 
     def begin(self, seq: SequenceView) -> None:
+        self._asked.pop(seq.seq_id, None)
         self._call("begin", seq=seq)
 
     def propose_batch(self, requests: Sequence[DraftRequest], only: Sequence[tuple[str, ...] | None] | None = None,
@@ -164,7 +182,12 @@ class SpeculatorChain:
                     error = None
                 except BaseException as e:  # every sequence of the call loses speculation; the others go on
                     drafts, error = None, _fault(e)
-                share = (time.perf_counter() - t) / len(asked)
+                seconds = time.perf_counter() - t
+                seq_ids = [requests[i].seq.seq_id for i, _ in asked]
+                if error is None and self._timed(name, seq_ids):
+                    error = self.late(f"{name}: propose_batch", seconds, seq_ids)
+                    drafts = None if error is not None else drafts
+                share = seconds / len(asked)
                 for j, (i, lim) in enumerate(asked):
                     d = None if drafts is None else drafts[j]
                     answered.update(self._record(out[i], name, share, d, lim, error, i))
@@ -175,11 +198,34 @@ class SpeculatorChain:
                         d, error = _checked(name, caller(seq=requests[i].seq, limits=lim)), None
                     except BaseException as e:
                         d, error = None, _fault(e)
-                    answered.update(self._record(out[i], name, time.perf_counter() - t, d, lim, error, i))
+                    seconds = time.perf_counter() - t
+                    if error is None and self._timed(name, [requests[i].seq.seq_id]):
+                        error = self.late(f"{name}: propose", seconds, [requests[i].seq.seq_id])
+                        d = None if error is not None else d
+                    answered.update(self._record(out[i], name, seconds, d, lim, error, i))
             if answered:
                 pending = [i for i in pending if i not in answered]
         self.hook_seconds += time.perf_counter() - t_start
         return out
+
+    def _timed(self, name: str, seq_ids: list[int]) -> bool:
+        """Whether a call of `name` for these sequences is held to the deadline: not when it is
+        its first for one of them since that sequence's begin or truncate. Notes the call."""
+        timed = True
+        for seq_id in seq_ids:
+            asked = self._asked.setdefault(seq_id, set())
+            timed = timed and name in asked
+            asked.add(name)
+        return timed
+
+    def late(self, what: str, seconds: float, seq_ids: list[int]) -> SpeculatorTimeout | None:
+        """SpeculatorTimeout when a call (`what`: "SPEC_TYPE: propose", ...) that took `seconds`
+        ran past the deadline, logged; None when it did not."""
+        if self.deadline is None or seconds <= self.deadline:
+            return None
+        log.warning("speculator call past its deadline; its sequences go on without speculation", call=what,
+                    seconds=round(seconds, 3), deadline=self.deadline, seq_ids=seq_ids)
+        return SpeculatorTimeout(f"{what} took {seconds:.2f} s, more than the {self.deadline:g} s deadline")
 
     @staticmethod
     def _record(p: Proposal, name: str, seconds: float, draft: Draft | None, limits: DraftLimits,
@@ -209,10 +255,12 @@ class SpeculatorChain:
         self._call("prefill", seq=seq, start=start, hidden=hidden)
 
     def truncate(self, seq: SequenceView, n: int) -> None:
+        self._asked.pop(seq.seq_id, None)
         self._call("truncate", seq=seq, n=n)
 
     def checkpoint(self, seq: SequenceView, action: str) -> None:
         self._call("checkpoint", seq=seq, action=action)
 
     def end(self, seq_id: int) -> None:
+        self._asked.pop(seq_id, None)
         self._call("end", seq_id=seq_id)

@@ -35,10 +35,17 @@ class EngineConfig:
     draft_n_min: int = 0
     draft_p_min: float = 0.0
     adaptive: bool = True  # trim or skip drafts that would not pay for their verification
+    # Seconds a speculator's per-step call (propose, propose_batch, accept) may take (None: no
+    # limit). A call past it is not interrupted (Python cannot pre-empt it safely) but measured: its
+    # draft is dropped and its sequences go on without speculation (SpeculatorTimeout, logged).
+    # A speculator's first propose for a sequence, where it may catch up on the prompt, is exempt.
+    spec_deadline: float | None = 5.0
 
     def __attrs_post_init__(self):
         if self.n_ctx < 2:
             raise LimitError(f"context size {self.n_ctx} is too small")
+        if self.spec_deadline is not None and not self.spec_deadline > 0:
+            raise LimitError(f"the speculator deadline must be positive, got {self.spec_deadline}")
 
 
 @attrs.frozen
@@ -202,7 +209,7 @@ class Engine:
         self.model, self.config = model, config
         self.context = model.new_context(config.n_ctx)
         self.recurrent = getattr(self.context, "state_kind", "kv") == "recurrent"
-        self.chain = SpeculatorChain(list(speculators))
+        self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline)
         self.controller = DraftLengthController(enabled=config.adaptive)
         self.spec_stats: dict[str, SpecTypeStats] = {}
         self.eog = frozenset(getattr(model.tokenizer, "eog_ids", ()) or ())
@@ -324,16 +331,22 @@ class Engine:
         except Exception as e:  # the sequence is gone either way
             seq.spec_error = seq.spec_error or f"{type(e).__name__}: {e}"
 
-    def _spec_call(self, seq: Sequence, hook, *args):
+    def _spec_call(self, seq: Sequence, hook, *args, timed: bool = False):
         """A speculator hook for one sequence. A speculator that raises turns speculation off for
-        this sequence only: it goes on with plain decoding, the error is left in seq.spec_error."""
+        this sequence only: it goes on with plain decoding, the error is left in seq.spec_error.
+        `timed` (the per-step hooks): so does a call longer than the config's spec_deadline."""
         if seq.spec_error is not None:
             return None
+        t = time.perf_counter()
         try:
-            return hook(*args)
+            out = hook(*args)
         except Exception as e:
             seq.spec_error = f"{type(e).__name__}: {e}"
             return None
+        late = self.chain.late(f"the speculators' {hook.__name__}", time.perf_counter() - t, [seq.seq_id]) if timed else None
+        if late is not None:
+            seq.spec_error = f"{type(late).__name__}: {late}"
+        return out
 
     def active(self) -> list[Sequence]:
         return [s for s in self.sequences.values() if s.finish_reason is None]
@@ -493,7 +506,7 @@ class Engine:
             self.context.truncate(seq.seq_id, kept_end)
             seq.n_cached = kept_end
         seq.saved = None
-        self._spec_call(seq, self.chain.accept, seq.view(), draft, n_accepted, hidden, first_row)
+        self._spec_call(seq, self.chain.accept, seq.view(), draft, n_accepted, hidden, first_row, timed=True)
 
         seq.stats.n_generated = seq.n_generated
         if emitted and emitted[-1] in self.eog:

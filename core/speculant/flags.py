@@ -47,6 +47,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="model drafters stop below this confidence, the draft token's probability (default 0)")
     g.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
                    help="verify every draft in full instead of the length the cost model picks")
+    g.add_argument("--spec-deadline", type=_float("a number of seconds >= 0", lambda v: v >= 0 and v < float("inf")),
+                   default=5.0, metavar="SECONDS",
+                   help="a speculator call (propose, accept) taking longer than this costs its sequences their "
+                        "speculation for the rest of the request, logged; a first propose for a request, which may "
+                        "feed its prompt, is exempt (default 5; 0: no deadline)")
     default_registry().add_options(g)
 
 
@@ -56,7 +61,8 @@ def engine_setup(args, model):
     from speculant.speculator import build_speculators, parse_spec_types
 
     config = EngineConfig(n_ctx=args.ctx_size, draft_n_max=args.spec_draft_n_max, draft_n_min=args.spec_draft_n_min,
-                          draft_p_min=args.spec_draft_p_min, adaptive=args.spec_adaptive)
+                          draft_p_min=args.spec_draft_p_min, adaptive=args.spec_adaptive,
+                          spec_deadline=getattr(args, "spec_deadline", 5.0) or None)
     names = parse_spec_types(args.spec_type)
     return config, build_speculators(names, vars(args), target=model, draft_model=args.spec_draft_model, backend=args.device)
 

@@ -8,8 +8,8 @@ from gguf import GGMLQuantizationType
 
 from tqdm import tqdm
 
-from speculant.errors import ModelFileError
-from speculant.gguf.file import open_gguf
+from speculant.errors import ModelFileError, SpeculantError
+from speculant.gguf.file import open_gguf, shown
 from speculant.gguf.quants import SUPPORTED_TYPES
 from speculant.model import Model
 from speculant.plugins import Registry, default_registry
@@ -28,7 +28,7 @@ def load_model(path: str, backend: str = "cpu", registry: Registry | None = None
         raise ModelFileError(f"{path}: metadata 'general.architecture' is missing")
     if ("architecture", arch) not in registry.entries:
         known = ", ".join(registry.names("architecture")) or "none installed"
-        raise ModelFileError(f"{path}: architecture '{arch}' is not supported (supported: {known})")
+        raise ModelFileError(f"{path}: architecture {shown(arch)} is not supported (supported: {known})")
     for t in gguf.tensors.values():
         # Integer tensors are index tables (an EAGLE3 head's d2t) that the architecture reads itself.
         if t.qtype not in SUPPORTED_TYPES and t.qtype not in INDEX_TYPES:
@@ -40,5 +40,14 @@ def load_model(path: str, backend: str = "cpu", registry: Registry | None = None
     total = sum(t.data.nbytes for t in gguf.tensors.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {os.path.basename(path)}",
               disable=not progress, file=sys.stderr, leave=False) as bar:
-        model = builder(gguf, device, bar.update)
+        try:
+            model = builder(gguf, device, bar.update)
+        except SpeculantError:
+            raise
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as e:
+            # The architecture checks what it reads; a file that slips past its checks must still
+            # be one line (and exit 2), not a traceback. Backend failures (out of memory, a
+            # device error) are not the file's and pass through.
+            raise ModelFileError(f"{path}: cannot build a {shown(arch)} model from this file "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     return model

@@ -44,6 +44,9 @@ class ServerConfig:
     slot_save_path: str | None = None
     limits: Limits = attrs.field(factory=Limits)  # checked before tokenizing: prompt bytes, messages, stop strings
     special_in_content: bool = False  # special-token texts in chat messages become control tokens (role injection)
+    body_timeout: float = 60.0  # seconds to receive a request's whole body, once its headers are in (408 after)
+    keepalive_timeout: float = 15.0  # seconds an idle connection stays open (also one that sends no full headers)
+    shutdown_timeout: float = 10.0  # seconds from SIGTERM to exit: running requests finish or get an error
 
 
 class ClientGone(Exception):
@@ -87,6 +90,14 @@ def _error_response(e: ApiError) -> web.Response:
 async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
+    except BodyTimeout as e:  # answer, then close at once: reading the rest would wait on the same client
+        resp = _error_response(e)
+        resp.force_close()
+        await resp.prepare(request)
+        await resp.write_eof()
+        if request.protocol is not None:
+            request.protocol.force_close()
+        return resp
     except ApiError as e:
         return _error_response(e)
     except ClientGone:
@@ -127,8 +138,17 @@ async def _blocking(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+class BodyTimeout(ApiError):
+    """The body did not arrive in time: answered with 408, then the connection is closed."""
+
+
 async def read_json(request: web.Request) -> dict:
-    return parse_json(await request.read())  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+    timeout = request.app[STATE].config.body_timeout
+    try:  # the whole body, not per read: a client trickling a byte at a time is cut off too
+        body = await asyncio.wait_for(request.read(), timeout)  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+    except asyncio.TimeoutError:
+        raise BodyTimeout(408, f"the request body did not arrive within {timeout:g} s", "timeout_error") from None
+    return parse_json(body)
 
 
 def generation_settings(state: State, params, n_predict: int | None, stops: list[str], stream: bool, spec) -> dict:
@@ -443,8 +463,10 @@ async def models(request: web.Request):
 
 async def health(request: web.Request):
     state = request.app[STATE]
-    if not state.worker.alive:
+    if state.worker.died is not None or not state.worker.alive:  # died: set before the thread has ended
         raise ApiError(503, "the engine thread is not running" + (f" ({state.worker.died})" if state.worker.died else ""))
+    if state.worker.draining:
+        raise ApiError(503, "the server is shutting down")
     return _json({"status": "ok"})
 
 
@@ -545,19 +567,52 @@ async def metrics_handler(request: web.Request):
 
 
 # --- the app ------------------------------------------------------------------------------------------------
+SHUTDOWN_FLUSH = 1.0  # seconds of the shutdown timeout kept for the stopped requests' errors to go out
+
+
+def drain_seconds(shutdown_timeout: float) -> float:
+    """How long running requests may go on after SIGTERM, of `shutdown_timeout` in all."""
+    return max(0.0, shutdown_timeout - min(SHUTDOWN_FLUSH, shutdown_timeout / 2))
+
 def create_app(engine: Engine, config: ServerConfig = ServerConfig(), spec_known: list[str] | None = None) -> web.Application:
     """The application around `engine`; its engine thread starts with the app and stops with it."""
-    app = web.Application(client_max_size=config.max_body_size, middlewares=[errors_middleware, auth_middleware])
+    app = web.Application(client_max_size=config.max_body_size, middlewares=[errors_middleware, auth_middleware],
+                          handler_args={"keepalive_timeout": config.keepalive_timeout})
     state = State(engine, config, spec_known)
     app[STATE] = state
+    shutdown_started: list[float] = []
 
     async def on_startup(app):
         state.worker.start()
 
+    async def on_shutdown(app):
+        """SIGTERM (aiohttp has stopped listening and closed idle connections): 503 for new and
+        waiting requests, then the running ones may finish until SHUTDOWN_FLUSH seconds before
+        the shutdown timeout; whatever still runs then gets a 503 error (an error event and
+        [DONE] on a stream), so every client hears how its request ended."""
+        loop = asyncio.get_running_loop()
+        shutdown_started.append(loop.time())
+        worker = state.worker
+        worker.begin_shutdown()
+        deadline = loop.time() + drain_seconds(config.shutdown_timeout)
+        if worker.running():
+            log.info("shutting down: waiting for running requests", n=len(worker.running()),
+                     timeout_s=config.shutdown_timeout)
+        while worker.running() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        n = worker.abort_running(ApiError(503, f"the server is shutting down: the request did not finish within "
+                                               f"the shutdown timeout ({config.shutdown_timeout:g} s)"))
+        if n:
+            log.warning("shutting down: stopped running requests", n=n)
+
     async def on_cleanup(app):
-        await _blocking(state.worker.stop)
+        # The engine thread ends after its current step; a long one is not waited for past the
+        # shutdown timeout (the thread is a daemon: the process exits without it).
+        left = config.shutdown_timeout - (asyncio.get_running_loop().time() - shutdown_started[0]) if shutdown_started else 10.0
+        await _blocking(state.worker.stop, max(0.1, left))
 
     app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     r = app.router
     for path in ("/v1/chat/completions", "/chat/completions"):

@@ -19,6 +19,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from speculant.flags import add_model_args, add_sampling_args, add_spec_args
     from speculant.options import float_where, int_in
 
+    seconds_flag = float_where("a number of seconds > 0", lambda v: 0 < v < float("inf"))
     add_model_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -33,6 +34,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="default max tokens per request, -1 = until the end of the context (default -1)")
     g.add_argument("--max-body-size", type=int_in(1), default=16 * 2**20, help="largest request body in bytes (default 16 MiB)")
     g.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
+    g.add_argument("--timeout-body", type=seconds_flag, default=60.0, metavar="SECONDS",
+                   help="time to receive a request's whole body once its headers are in; a slower one gets 408 and "
+                        "its connection is closed (default 60)")
+    g.add_argument("--timeout-keep-alive", type=seconds_flag, default=15.0, metavar="SECONDS",
+                   help="an idle connection, or one that has not sent a complete request head, is closed after "
+                        "this long (default 15)")
+    g.add_argument("--shutdown-timeout", type=float_where("a number of seconds >= 0", lambda v: 0 <= v < float("inf")),
+                   default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: new and waiting requests get 503, running ones may finish for this "
+                        "long, less a second to send the rest an error; then the server exits (default 10)")
     g = p.add_argument_group("request limits (checked before a prompt is tokenized)")
     g.add_argument("--max-prompt-bytes", type=int_in(-1), default=-1, metavar="BYTES",
                    help="largest prompt text (a chat prompt as rendered) in UTF-8 bytes; larger ones get 413 before "
@@ -96,7 +107,7 @@ def cmd_serve(args) -> int:
     from speculant.sampling import SamplingParams
     from speculant.speculator import parse_spec_types
 
-    from speculant_server.app import STATE, ServerConfig, create_app
+    from speculant_server.app import SHUTDOWN_FLUSH, STATE, ServerConfig, create_app
     from speculant_server.protocol import Defaults, Limits
 
     parse_spec_types(args.spec_type)  # an unknown spec type fails before the model loads
@@ -120,7 +131,8 @@ def cmd_serve(args) -> int:
                                  slot_similarity=args.slot_prompt_similarity, slot_save_path=slot_save_path,
                                  limits=Limits(args.max_prompt_bytes, args.max_messages, args.max_stop_strings,
                                                args.max_stop_length),
-                                 special_in_content=args.special_in_content)
+                                 special_in_content=args.special_in_content, body_timeout=args.timeout_body,
+                                 keepalive_timeout=args.timeout_keep_alive, shutdown_timeout=args.shutdown_timeout)
     app = create_app(engine, server_config)
     worker = app[STATE].worker
     # A dead engine thread cannot be brought back in the process: stop, so that a supervisor
@@ -134,7 +146,9 @@ def cmd_serve(args) -> int:
 
     try:
         web.run_app(app, host=args.host, port=args.port, print=announce, handler_cancellation=True,
-                    access_log=None, shutdown_timeout=5)
+                    access_log=None,
+                    # after the app's own drain (its on_shutdown): the handlers only send their last bytes
+                    shutdown_timeout=max(0.05, min(SHUTDOWN_FLUSH, args.shutdown_timeout / 2) / 2))
     except OSError as e:
         raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if worker.died is not None:

@@ -63,6 +63,7 @@ class Job:
     cache_prompt: bool = True  # continue from a kept state sharing a prefix with the prompt (llama-server's field)
     settings: dict = attrs.field(factory=dict)  # what /slots shows
     cancelled: bool = False
+    aborted: bool = False  # cancelled by the server's shutdown, not by its client (abort_running)
     finished: bool = False
     slot: int | None = None
     seq: Sequence | None = None
@@ -106,6 +107,7 @@ class EngineWorker:
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # see call()
         self._cond = threading.Condition()
         self._stopping = False
+        self.draining = False  # shutting down: no new jobs or calls, the running jobs may finish (begin_shutdown)
         self.died: str | None = None  # what killed the engine thread, if something did
         self.on_death: Callable[[], None] | None = None  # then called once its requests are failed (serve: exit)
         self._thread = threading.Thread(target=self._run, name="speculant-engine", daemon=True)
@@ -139,8 +141,8 @@ class EngineWorker:
         with self._cond:
             if self.died is not None:
                 raise self._refusal()
-            if self._stopping:
-                raise QueueFull("the server is shutting down")
+            if self._stopping or self.draining:
+                raise ApiError(503, "the server is shutting down")
             if len(self._pending) >= self.queue_size + self.free_slots():
                 raise QueueFull(f"all {self.n_slots} slots are busy and {len(self._pending)} requests are waiting")
             self._pending.append(job)
@@ -152,12 +154,38 @@ class EngineWorker:
         exception (await it with asyncio.wrap_future). A future cancelled before its turn is skipped."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            if self._stopping:
+            if self._stopping or self.draining:
                 future.set_exception(self._refusal() if self.died is not None else ApiError(503, "the server is shutting down"))
                 return future
             self._calls.append((fn, future))
             self._cond.notify()
         return future
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting work: new jobs and calls get 503, as do the jobs still waiting for a slot
+        (they have not started; a client can retry elsewhere). The running jobs go on."""
+        with self._cond:
+            self.draining = True
+            waiting, self._pending = list(self._pending), collections.deque()
+        for job in waiting:
+            job.finished = True
+            job.emit(("error", ApiError(503, "the server is shutting down")))
+
+    def running(self) -> list[Job]:
+        """The jobs in slots whose client still waits for them."""
+        return [j for j in list(self.slots) if j is not None and not j.finished and not j.cancelled]
+
+    def abort_running(self, error: ApiError) -> int:
+        """Fail every running job now, from the event loop (the engine may be in the middle of a
+        step): its client gets `error` at once, the engine thread drops the job before its next
+        step as it does a cancelled one. Returns how many there were."""
+        jobs = self.running()
+        for job in jobs:
+            job.aborted = job.cancelled = True
+            job.emit(("error", error))
+        with self._cond:
+            self._cond.notify()
+        return len(jobs)
 
     def cancel(self, job: Job) -> None:
         """The client is gone: drop the job if it waits, else release its sequence before the next step."""
@@ -202,7 +230,10 @@ class EngineWorker:
             calls, self._calls = self._calls, []
         for job in self._active():
             try:
-                self._fail(job, active_error)
+                if job.cancelled:  # its client is gone, or has had its error (abort_running)
+                    self._finish(job, "shutdown" if job.aborted else "cancelled", "none", "")
+                else:
+                    self._fail(job, active_error)
             except BaseException:  # the engine is broken: the client must hear of it anyway
                 self.slots[job.slot] = None
                 job.emit(("error", active_error))
@@ -238,7 +269,7 @@ class EngineWorker:
             self._start(job, slot)
         for job in self._active():
             if job.cancelled:
-                self._finish(job, "cancelled", "none", "")
+                self._finish(job, "shutdown" if job.aborted else "cancelled", "none", "")
         active = self._active()
         if not active:
             return True
@@ -350,7 +381,7 @@ class EngineWorker:
         t.predicted_tokens += job.n_generated
         t.predicted_seconds += timings["predicted_ms"] / 1e3
         t.n_tokens_max = max(t.n_tokens_max, len(seq.tokens))
-        if finish_reason == "cancelled":
+        if finish_reason in ("cancelled", "shutdown"):
             t.requests_cancelled += 1
         else:
             t.requests_finished += 1
@@ -368,7 +399,7 @@ class EngineWorker:
                  accepted=seq.stats.n_accepted, declined=seq.stats.n_declined)
         if seq.spec_error:
             log.warning("speculator failed; the request went on with plain decoding", id=job.id, error=seq.spec_error)
-        if finish_reason != "cancelled":
+        if finish_reason not in ("cancelled", "shutdown"):
             job.emit(("done", Done(finish_reason, stop_type, word, len(job.prompt), job.n_generated, timings, job.slot,
                                        seq.n_reused)))
 

@@ -66,7 +66,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise ModelFileError(f"{self.path}: tensor '{name}' is missing") from None
+            raise ModelFileError(f"{self.path}: tensor {shown(name)} is missing") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,6 +83,9 @@ class GGUFFile:
 # ---------------------------------------------------------------------------------------------------
 GGUF_DEFAULT_ALIGNMENT = 32
 GGML_MAX_DIMS = 4  # llama.cpp refuses tensors with more dimensions
+# Arrays of arrays are read (flattened, as gguf-py does) to this depth; no model needs more than
+# one level, and a deeper file is a crafted one (it would exhaust the parser's recursion).
+GGUF_MAX_ARRAY_DEPTH = 8
 
 _T_STRING, _T_ARRAY, _T_UINT32, _T_BOOL = 8, 9, 4, 7
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -96,6 +99,12 @@ _TYPED = {
     GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
     GGMLQuantizationType.I64: np.int64,
 }
+
+
+def shown(name: str, limit: int = 80) -> str:
+    """A name read from a file, quoted for a one-line message: escapes for newlines and other
+    control characters (repr's), cut to `limit` characters."""
+    return repr(name if len(name) <= limit else name[:limit] + "...")
 
 
 class _Truncated(Exception):
@@ -168,9 +177,11 @@ def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: 
                 raise _Truncated
             return buf[p:p + ln].decode("utf-8", errors="replace"), p + ln
 
-        def read_array(p: int, want: bool, out: list) -> int:
+        def read_array(p: int, want: bool, out: list, depth: int = 1) -> int:
             """Append the items of the array at `p` to `out` (nested arrays flattened, as gguf-py
             does); returns the position after it."""
+            if depth > GGUF_MAX_ARRAY_DEPTH:
+                raise _Malformed(f"{where} has arrays nested more than {GGUF_MAX_ARRAY_DEPTH} deep")
             itype, count = unpack_from("<IQ", buf, p)
             p += 12
             if itype == _T_STRING:
@@ -193,7 +204,7 @@ def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: 
                 p += nbytes
             elif itype == _T_ARRAY:
                 for _ in range(count):
-                    p = read_array(p, want, out)
+                    p = read_array(p, want, out, depth + 1)
             else:
                 raise _Malformed(f"{where} is an array of unknown value type {itype}")
             return p
@@ -203,7 +214,7 @@ def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: 
         for i in range(n_kv):
             where = f"metadata entry {i}"
             key, pos = read_str(pos)
-            where = f"metadata key '{key}'"
+            where = f"metadata key {shown(key)}"
             (vtype,) = unpack_from("<I", buf, pos)
             pos += 4
             want = not prefixes or key.startswith(prefixes)
@@ -221,7 +232,7 @@ def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: 
                 alignment_entry = (vtype, val)
             if want:
                 if key in metadata:
-                    raise _Malformed(f"metadata key '{key}' appears twice")
+                    raise _Malformed(f"metadata key {shown(key)} appears twice")
                 metadata[key] = val
         if not with_tensors:
             return _Header(version, metadata, [], 0)
@@ -245,14 +256,14 @@ def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: 
             except UnicodeDecodeError:
                 raise _Malformed(f"{where} has a name that is not UTF-8") from None
             pos += ln
-            where = f"tensor info '{name}'"
+            where = f"tensor info {shown(name)}"
             if name in seen:
-                raise _Malformed(f"tensor '{name}' appears twice")
+                raise _Malformed(f"tensor {shown(name)} appears twice")
             seen.add(name)
             (n_dims,) = unpack_from("<I", buf, pos)
             pos += 4
             if n_dims > GGML_MAX_DIMS:
-                raise _Malformed(f"tensor '{name}' has {n_dims} dimensions (at most {GGML_MAX_DIMS} are allowed)")
+                raise _Malformed(f"tensor {shown(name)} has {n_dims} dimensions (at most {GGML_MAX_DIMS} are allowed)")
             dims = unpack_from(f"<{n_dims}Q", buf, pos)
             pos += 8 * n_dims
             type_id, offset = unpack_from("<IQ", buf, pos)
@@ -298,7 +309,7 @@ def _layout(path: str, file_size: int, start: int, raw: _RawTensor) -> _Layout:
         qtype = GGMLQuantizationType(raw.type_id)
         block, type_size = GGML_QUANT_SIZES[qtype]
     except (ValueError, KeyError):
-        raise ModelFileError(f"{path}: tensor '{raw.name}' has unknown tensor type {raw.type_id}") from None
+        raise ModelFileError(f"{path}: tensor {shown(raw.name)} has unknown tensor type {raw.type_id}") from None
     shape = tuple(reversed(raw.dims))  # PyTorch order: slowest dimension first
     offset = start + raw.offset
     dtype = _TYPED.get(qtype)
@@ -307,13 +318,13 @@ def _layout(path: str, file_size: int, start: int, raw: _RawTensor) -> _Layout:
     else:
         dtype = np.uint8
         if not shape or shape[-1] % block:
-            raise ModelFileError(f"{path}: malformed GGUF header: tensor '{raw.name}' of type {qtype.name} has "
+            raise ModelFileError(f"{path}: malformed GGUF header: tensor {shown(raw.name)} of type {qtype.name} has "
                                  f"shape {list(shape)}, whose rows are not a whole number of {block}-element blocks")
         view_shape = (*shape[:-1], shape[-1] // block * type_size)
     count = math.prod(view_shape)
     end = offset + count * np.dtype(dtype).itemsize
     if end > file_size:
-        raise ModelFileError(f"{path}: truncated tensor data (tensor '{raw.name}' ends at byte {end} "
+        raise ModelFileError(f"{path}: truncated tensor data (tensor {shown(raw.name)} ends at byte {end} "
                              f"but the file is {file_size} bytes long)")
     return _Layout(raw.name, qtype, shape, dtype, count, view_shape, offset)
 

@@ -8,11 +8,11 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from speculant import Batch, ForwardOutput, KVCache, backend_kernel
+from speculant import Batch, ForwardOutput, KVCache, ModelFileError, backend_kernel
 from speculant.gguf import Tokenizer
 
 from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
-from speculant_transformer.loading import WeightLoader, model_info, require
+from speculant_transformer.loading import WeightLoader, attention_shape, hparam_float, hparam_int, model_info, vocab_size
 
 
 def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -37,16 +37,16 @@ class LlamaConfig:
 
     @classmethod
     def from_gguf(cls, gguf, n_vocab: int) -> "LlamaConfig":
-        n_embd, n_head = int(require(gguf, "embedding_length")), int(require(gguf, "attention.head_count"))
+        n_embd = hparam_int(gguf, "embedding_length")
+        n_head, n_kv_head, head_dim = attention_shape(gguf, n_embd)
         scaling = gguf.arch_key("rope.scaling.type")
         return cls(
-            arch=gguf.architecture, n_vocab=n_vocab, n_embd=n_embd, n_layers=int(require(gguf, "block_count")),
-            n_head=n_head, n_kv_head=int(gguf.arch_key("attention.head_count_kv", n_head)),
-            head_dim=int(gguf.arch_key("attention.key_length", n_embd // n_head)),
-            n_ff=int(require(gguf, "feed_forward_length")),
-            rope_base=float(gguf.arch_key("rope.freq_base", 10000.0)),
-            rope_scale=float(gguf.arch_key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
-            eps=float(gguf.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+            arch=gguf.architecture, n_vocab=n_vocab, n_embd=n_embd, n_layers=hparam_int(gguf, "block_count"),
+            n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim,
+            n_ff=hparam_int(gguf, "feed_forward_length"),
+            rope_base=hparam_float(gguf, "rope.freq_base", 10000.0),
+            rope_scale=hparam_float(gguf, "rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
+            eps=hparam_float(gguf, "attention.layer_norm_rms_epsilon", 1e-5),
             neox=gguf.architecture != "llama",
         )
 
@@ -70,29 +70,31 @@ class LlamaModel(DecoderModel):
     @classmethod
     def load(cls, gguf, backend, progress=None) -> "LlamaModel":
         tokenizer = Tokenizer.from_metadata(gguf.metadata, gguf.path)
-        embd = gguf.tensor("token_embd.weight")
-        cfg = LlamaConfig.from_gguf(gguf, n_vocab=embd.shape[0])
+        cfg = LlamaConfig.from_gguf(gguf, n_vocab=vocab_size(gguf, tokenizer, hparam_int(gguf, "embedding_length")))
         w = WeightLoader(gguf, backend, progress)
+        d, q_dim, kv_dim = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
         blocks = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
             blocks.append(LlamaBlock(
-                attn_norm=w.tensor(p + "attn_norm.weight"),
-                wq=w.linear(p + "attn_q.weight", p + "attn_q.bias"),
-                wk=w.linear(p + "attn_k.weight", p + "attn_k.bias"),
-                wv=w.linear(p + "attn_v.weight", p + "attn_v.bias"),
-                wo=w.linear(p + "attn_output.weight"),
-                q_norm=w.tensor(p + "attn_q_norm.weight") if w.has(p + "attn_q_norm.weight") else None,
-                k_norm=w.tensor(p + "attn_k_norm.weight") if w.has(p + "attn_k_norm.weight") else None,
-                ffn_norm=w.tensor(p + "ffn_norm.weight"),
-                w_gate=w.linear(p + "ffn_gate.weight"),
-                w_up=w.linear(p + "ffn_up.weight"),
-                w_down=w.linear(p + "ffn_down.weight"),
+                attn_norm=w.tensor(p + "attn_norm.weight", (d,)),
+                wq=w.linear(p + "attn_q.weight", p + "attn_q.bias", (q_dim, d)),
+                wk=w.linear(p + "attn_k.weight", p + "attn_k.bias", (kv_dim, d)),
+                wv=w.linear(p + "attn_v.weight", p + "attn_v.bias", (kv_dim, d)),
+                wo=w.linear(p + "attn_output.weight", shape=(d, q_dim)),
+                q_norm=w.tensor(p + "attn_q_norm.weight", (cfg.head_dim,)) if w.has(p + "attn_q_norm.weight") else None,
+                k_norm=w.tensor(p + "attn_k_norm.weight", (cfg.head_dim,)) if w.has(p + "attn_k_norm.weight") else None,
+                ffn_norm=w.tensor(p + "ffn_norm.weight", (d,)),
+                w_gate=w.linear(p + "ffn_gate.weight", shape=(cfg.n_ff, d)),
+                w_up=w.linear(p + "ffn_up.weight", shape=(cfg.n_ff, d)),
+                w_down=w.linear(p + "ffn_down.weight", shape=(d, cfg.n_ff)),
             ))
+            if (blocks[-1].q_norm is None) != (blocks[-1].k_norm is None):
+                raise ModelFileError(f"{gguf.path}: layer {i} has only one of attn_q_norm and attn_k_norm")
         # Tied embeddings: the output projection reuses token_embd when output.weight is absent.
-        output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight")
+        output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight", shape=(cfg.n_vocab, d))
         return cls(cfg, model_info(gguf, cfg.n_vocab, cfg.n_embd, cfg.n_layers), tokenizer, backend,
-                   w.embedding("token_embd.weight"), blocks, w.tensor("output_norm.weight"), output)
+                   w.embedding("token_embd.weight", (cfg.n_vocab, d)), blocks, w.tensor("output_norm.weight", (d,)), output)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
