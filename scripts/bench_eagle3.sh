@@ -19,7 +19,6 @@ for cfg in "plain:-m $T" "ngram-map-k:-m $T --spec-type ngram-map-k" "draft-simp
   echo "== llama.cpp $name"; $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-$name -- $LS --port 8091 -t 2 -c 4096 -np 1 $flags
 done
 for cfg in "plain:" "draft-simple:-md $D --spec-type draft-simple" "eagle3:-md $H --spec-type eagle3" \
-           "eagle3-fixed:-md $H --spec-type eagle3 --spec-draft-n-max 4 --no-spec-adaptive" \
            "suffix,eagle3:-md $H --spec-type suffix,eagle3"; do
   name=${cfg%%:*}; flags=${cfg#*:}
   echo "== speculant $name"; $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8090 --label ours-$name -- .venv/bin/speculant serve -m $T --port 8090 -c 4096 -np 1 $flags
