@@ -31,7 +31,9 @@ def test_eagle3_reproduces_plain_decoding(spec_type, workload):
     assert got == plain_tokens(model, workload)
     if spec_type == "eagle3":
         stats = engine.spec_stats["eagle3"]
-        assert stats.drafts > 0 and stats.accepted_at[0] > stats.drafts // 4  # the head predicts the target
+        # The head predicts the target: a random head's first tokens are (almost) never accepted,
+        # the shipped one's 19-45% of the time in these 48 tokens (docs/benchmarks.md, seventh run).
+        assert stats.drafts > 0 and stats.accepted_at[0] > stats.drafts // 10
 
 
 def test_eagle3_all_workloads_together():
