@@ -15,7 +15,7 @@ from speculant.loader import load_model
 from speculant.sampling import SamplingParams
 from speculant.speculator import build_speculators
 from speculant.testing.tiny_gguf import write_tiny_model
-from speculant_eagle3 import Eagle3, Eagle3Head, read_config
+from speculant_eagle3 import Eagle3Head
 from speculant_eagle3.layout import write_head
 from speculant_eagle3.testing import write_random_head
 
@@ -61,7 +61,6 @@ def test_layout_read_back(tiny):
 
 def test_missing_keys_and_bad_files_are_one_line_errors(tiny, tmp_path):
     net = tiny.net
-    bad = net.cfg.__class__(**{**net.cfg.__dict__, "target_layers": (1, 2)}) if False else None
     weights = net.gguf_weights()
     del weights["blk.0.attn_norm_2.weight"]
     path = tmp_path / "broken.gguf"

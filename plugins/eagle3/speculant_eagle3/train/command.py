@@ -10,7 +10,6 @@ import json
 import sys
 import time
 
-from speculant import SpeculantError
 from speculant.options import int_in
 
 
