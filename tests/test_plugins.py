@@ -148,6 +148,34 @@ def test_same_name_from_two_plugins_is_an_error_naming_both():
     assert load_registry(extra_plugins=[("d1", d1), ("d2", d2)]).get("speculator", "s") is shared
 
 
+def test_trainers_from_plugins_join_one_train_command(monkeypatch, capsys):
+    """A plugin's speculant_add_trainers adds a method to `speculant train` beside eagle3's, and a
+    method two plugins add is an error naming both: MTP and DFlash trainers need not fight over
+    one `train` command."""
+    import speculant.cli
+    import speculant.plugins
+
+    ran = []
+
+    def add(subparsers, register):
+        p = subparsers.add_parser("toy-head", help="train a toy head")
+        p.add_argument("--steps", type=int, default=1)
+        register("toy-head", lambda args: ran.append(args.steps) or 0)
+
+    reg = load_registry(extra_plugins=[("toy-trainer", module("toy_trainer", speculant_add_trainers=add))])
+    monkeypatch.setattr(speculant.plugins, "_default", reg)
+    assert speculant.cli.main(["train", "toy-head", "--steps", "3"]) == 0 and ran == [3]
+    assert speculant.cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "toy-head" in out and "eagle3" in out
+
+    clash = module("clash", speculant_add_trainers=lambda subparsers, register: register("eagle3", lambda a: 0))
+    monkeypatch.setattr(speculant.plugins, "_default", load_registry(extra_plugins=[("clash-plugin", clash)]))
+    assert speculant.cli.main(["train", "eagle3", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer 'eagle3' is added twice" in err and "'eagle3'" in err and "'clash-plugin'" in err
+
+
 def test_disable_plugins_removes_the_architectures(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECULANT_DISABLE_PLUGINS", "transformer")
     reg = load_registry()

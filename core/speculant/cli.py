@@ -1,6 +1,6 @@
 """`speculant` command line: generate, bench and plugins here; more (serve, ...) from plugins
-through the speculant_add_commands hook (their flags: speculant.flags). User errors: one line,
-exit 2."""
+through the speculant_add_commands hook (their flags: speculant.flags), and `train METHOD` with
+the methods plugins add through speculant_add_trainers. User errors: one line, exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -43,7 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from speculant.plugins import default_registry
 
-    parser.set_defaults(_commands={**CORE_COMMANDS, **default_registry().add_commands(sub)})  # serve, ...: plugins'
+    registry = default_registry()
+    commands = {**CORE_COMMANDS, **registry.add_commands(sub)}  # serve, ...: plugins'
+    if registry.pm.hook.speculant_add_trainers.get_hookimpls():  # `train` once a plugin has a method
+        t = sub.add_parser("train", help="train a drafter for a target model (methods come from plugins)")
+        methods = t.add_subparsers(dest="method", required=True, metavar="METHOD")
+        trainers = registry.add_trainers(methods)
+        commands["train"] = lambda args: trainers[args.method](args)
+    parser.set_defaults(_commands=commands)
     return parser
 
 

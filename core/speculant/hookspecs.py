@@ -63,6 +63,14 @@ class DiscoverySpec:
         a model, an EngineConfig and speculators (``load``, ``engine_setup``)."""
 
     @hookspec
+    def speculant_add_trainers(self, subparsers: Any, register: Callable[[str, Callable[[Any], int]], None]) -> None:
+        """Add a method to ``speculant train`` (for a drafter that needs weights trained for a
+        target, such as an EAGLE3 head): ``p = subparsers.add_parser("eagle3", help=...)``, its
+        flags, then ``register("eagle3", run)``. ``speculant train METHOD ...`` then calls
+        ``run(args)`` as a command's run is called. The ``train`` command exists once some
+        installed plugin adds a method; two plugins adding the same method is an error."""
+
+    @hookspec
     def speculant_add_options(self, parser: Any) -> None:
         """Add command-line flags (an ``argparse`` parser or group), as pytest_addoption does.
 

@@ -94,25 +94,32 @@ class Registry:
     def add_commands(self, subparsers: Any) -> dict[str, Any]:
         """Every plugin's speculant_add_commands; returns {command name: run}. A failure, or a
         command two plugins add, is an error naming the plugin."""
+        return self._add_runnables("speculant_add_commands", "command", subparsers)
+
+    def add_trainers(self, subparsers: Any) -> dict[str, Any]:
+        """Every plugin's speculant_add_trainers; returns {method: run}, as add_commands does."""
+        return self._add_runnables("speculant_add_trainers", "trainer", subparsers)
+
+    def _add_runnables(self, hook: str, kind: str, subparsers: Any) -> dict[str, Any]:
         by_name = {p.name: p for p in self.plugins}
-        commands: dict[str, Any] = {}
+        found: dict[str, Any] = {}
         owners: dict[str, str] = {}
-        for impl in reversed(self.pm.hook.speculant_add_commands.get_hookimpls()):  # registration order
+        for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):  # registration order
             info = by_name.get(impl.plugin_name)
 
             def register(name: str, run: Any, plugin: str = impl.plugin_name) -> None:
-                if name in commands:
-                    raise SpeculantError(f"command '{name}' is added twice: by plugin '{owners[name]}' and by plugin '{plugin}'")
-                commands[name], owners[name] = run, plugin
+                if name in found:
+                    raise SpeculantError(f"{kind} '{name}' is added twice: by plugin '{owners[name]}' and by plugin '{plugin}'")
+                found[name], owners[name] = run, plugin
 
             try:
                 impl.function(subparsers=subparsers, register=register)
             except SpeculantError:
                 raise
             except Exception as e:  # argparse's clash of names included
-                raise SpeculantError(f"plugin '{impl.plugin_name}' ({_dist(info)}) failed to add its commands: "
+                raise SpeculantError(f"plugin '{impl.plugin_name}' ({_dist(info)}) failed to add its {kind}s: "
                                      f"{type(e).__name__}: {e}; uninstall or disable it (SPECULANT_DISABLE_PLUGINS)") from None
-        return commands
+        return found
 
     def _fail(self, name: str, error: str) -> None:
         """Record a plugin as broken and take back what it registered."""

@@ -37,11 +37,9 @@ def speculant_register_architectures(register):
 
 
 @hookimpl
-def speculant_add_commands(subparsers, register):
-    """`speculant train eagle3 ...` (trainers of other drafters will join `train`)."""
+def speculant_add_trainers(subparsers, register):
+    """`speculant train eagle3 ...`."""
     from speculant_eagle3.train.command import add_parser, run
 
-    p = subparsers.add_parser("train", help="train a drafter for a target model")
-    methods = p.add_subparsers(dest="method", required=True, metavar="METHOD")
-    add_parser(methods)
-    register("train", run)
+    add_parser(subparsers)
+    register("eagle3", run)
