@@ -15,7 +15,9 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
+
+from speculant.gguf import copy_fields, field_value
 
 
 def neox_to_norm(n_rows: int, head_dim: int) -> np.ndarray:
@@ -28,18 +30,6 @@ def neox_to_norm(n_rows: int, head_dim: int) -> np.ndarray:
     return (np.arange(heads)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
-def field_value(field):
-    vtype = field.types[0]
-    if vtype == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") for i in field.data], vtype, sub
-        return [field.parts[i].tolist()[0] for i in field.data], vtype, sub
-    if vtype == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8"), vtype, None
-    return field.parts[field.data[0]].tolist()[0], vtype, None
-
-
 def main(src: str, dst: str) -> None:
     r = GGUFReader(src)
     arch = field_value(r.fields["general.architecture"])[0]
@@ -49,11 +39,8 @@ def main(src: str, dst: str) -> None:
     n_embd = field_value(r.fields["qwen2.embedding_length"])[0]
     head_dim = n_embd // n_head
     w = GGUFWriter(dst, "llama")
-    for name, field in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        value, vtype, sub = field_value(field)
-        w.add_key_value(name.replace("qwen2.", "llama.", 1) if name.startswith("qwen2.") else name, value, vtype, sub_type=sub)
+    copy_fields(r, w, keep=lambda name: name != "general.architecture",
+                rename=lambda name: name.replace("qwen2.", "llama.", 1) if name.startswith("qwen2.") else name)
     w.add_uint32("llama.rope.dimension_count", head_dim)
     for t in r.tensors:
         data = np.asarray(t.data)

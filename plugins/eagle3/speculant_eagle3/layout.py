@@ -98,24 +98,11 @@ def read_config(gguf) -> HeadConfig:
 
 def _copy_tokenizer(writer, target_path: str) -> None:
     """Copy the target's tokenizer.* keys (llama.cpp reads the draft's own vocabulary and checks it)."""
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFReader
 
-    reader = GGUFReader(target_path)
-    for field in reader.fields.values():
-        if not field.name.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        if vtype == GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == GGUFValueType.STRING:
-                value = [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") for i in field.data]
-            else:
-                value = [field.parts[i].tolist()[0] for i in field.data]
-            writer.add_key_value(field.name, value, vtype, sub_type=sub)
-        elif vtype == GGUFValueType.STRING:
-            writer.add_key_value(field.name, bytes(field.parts[field.data[0]]).decode("utf-8"), vtype)
-        else:
-            writer.add_key_value(field.name, field.parts[field.data[0]].tolist()[0], vtype)
+    from speculant.gguf import copy_fields
+
+    copy_fields(GGUFReader(target_path), writer, keep=lambda name: name.startswith("tokenizer."))
 
 
 def write_head(path: str, cfg: HeadConfig, weights: dict[str, np.ndarray], *, target_path: str | None = None,
