@@ -429,3 +429,20 @@ def test_hook_dispatch_overhead():
     chain3_us = (time.perf_counter() - t0) / n * 1e6
     print(f"\nchain.propose: {chain_us:.2f} us/call (1 speculator), {chain3_us:.2f} us/call (3, third answers); "
           f"direct method call {direct_us:.2f} us/call")
+
+
+def test_load_model_once_shares_a_model_until_its_file_changes(tmp_path):
+    """Draft models and heads are loaded once per process (a bench or server builds speculators
+    afresh per run); a rewritten file loads again, and a missing one is one line naming what."""
+    import os
+
+    from speculant import load_model_once
+
+    path = write_tiny_model(tmp_path / "m.gguf", "qwen2", seed=1)
+    first = load_model_once(path, what="draft model")
+    assert load_model_once(path, what="draft model") is first
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert load_model_once(path) is not first
+    with pytest.raises(SpeculantError, match=r"cannot read the EAGLE3 head"):
+        load_model_once(str(tmp_path / "absent.gguf"), what="EAGLE3 head")

@@ -13,16 +13,17 @@ __all__ = [
     "Backend", "BackendKernels", "Batch", "Context", "DeviceUnavailable", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "KVCache", "LimitError",
     "Model", "ModelFileError", "ModelInfo", "RecurrentContext", "SequenceView", "SpeculantError",
     "SpeculatorConfig", "backend_kernel", "float_where", "hookimpl", "hookspec", "int_in", "load_model",
+    "load_model_once",
 ]
 
 
 def __getattr__(name: str):
     # load_model(path, backend="cpu", progress=True) -> Model, for plugins that load a model of
     # their own (a draft model); imported on first use so `import speculant` stays light.
-    if name == "load_model":
-        from speculant.loader import load_model
+    if name in ("load_model", "load_model_once"):  # load_model_once: shared by every run of a process
+        import speculant.loader
 
-        return load_model
+        return getattr(speculant.loader, name)
     if name == "SpeculatorConfig":  # what a speculator class is built with: cls(config)
         from speculant.speculator import SpeculatorConfig
 

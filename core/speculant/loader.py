@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from gguf import GGMLQuantizationType
 
@@ -50,4 +51,30 @@ def load_model(path: str, backend: str = "cpu", registry: Registry | None = None
             # device error) are not the file's and pass through.
             raise ModelFileError(f"{path}: cannot build a {shown(arch)} model from this file "
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    return model
+
+
+_once: dict[tuple, Model] = {}
+_once_lock = threading.Lock()
+
+
+def load_model_once(path: str, backend: str = "cpu", threads: int | None = None, what: str = "model") -> Model:
+    """The model at `path`, loaded once per process and shared: for speculators that load a
+    model of their own (a draft model, a drafter head), which a benchmark or a server builds
+    afresh for every run while the weights have no per-run state (their contexts do). Keyed by
+    the file's identity (real path, mtime, size), the backend and `threads`, so a changed file
+    loads again. `what` names the file in the one-line error when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SpeculantError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, backend, threads)
+    with _once_lock:  # two servers' engines starting at once build it once
+        model = _once.get(key)
+        if model is None:
+            try:
+                model = load_model(path, backend=backend, progress=sys.stderr.isatty(), threads=threads)
+            except OSError as e:
+                raise SpeculantError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+            _once[key] = model
     return model

@@ -17,41 +17,21 @@ forward for all sequences still drafting, one row each.
 """
 from __future__ import annotations
 
-import os
-import sys
-import threading
-
 import attrs
 import torch
 
-from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model
+from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model_once
 from speculant.speculator import SpeculatorConfig
 
 from speculant_draft.vocab import vocab_mismatch
 
 PREFILL_CHUNK = 512  # rows per forward when a prompt is fed to the draft model
 
-_models: dict[tuple, object] = {}
-_models_lock = threading.Lock()
-
 
 def load_draft_model(path: str, backend: str = "cpu", threads: int | None = None):
     """The draft model at `path`, loaded once per process (a benchmark builds its speculators
     afresh for every run; the model has no per-run state, its contexts do)."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise SpeculantError(f"{path}: cannot read the draft model: {e.strerror or e}") from None
-    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, backend, threads)
-    with _models_lock:
-        model = _models.get(key)
-        if model is None:
-            try:  # the user's -t: a backend sets the (process-wide) thread count when it is created
-                model = load_model(path, backend=backend, progress=sys.stderr.isatty(), threads=threads)
-            except OSError as e:
-                raise SpeculantError(f"{path}: cannot read the draft model: {e.strerror or e}") from None
-            _models[key] = model
-    return model
+    return load_model_once(path, backend, threads, what="draft model")
 
 
 @attrs.define

@@ -20,34 +20,20 @@ probabilities, so the engine verifies them by rejection sampling.
 """
 from __future__ import annotations
 
-import sys
-
 import attrs
 import torch
 
-from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model
+from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model_once
 from speculant.speculator import SpeculatorConfig
 
 from speculant_eagle3.head import Eagle3Head
 
-_models: dict[tuple, Eagle3Head] = {}
-
-
 def load_head(path: str, backend: str, threads: int | None) -> Eagle3Head:
-    import os
-
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise SpeculantError(f"{path}: cannot read the EAGLE3 head: {e.strerror or e}") from None
-    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, backend, threads)
-    head = _models.get(key)
-    if head is None:
-        head = load_model(path, backend=backend, progress=sys.stderr.isatty(), threads=threads)
-        if not isinstance(head, Eagle3Head):
-            raise SpeculantError(f"{path}: not an EAGLE3 head (architecture '{head.info.architecture}'); "
-                                 "use --spec-type draft-simple for a draft model")
-        _models[key] = head
+    """The head at `path`, loaded once per process."""
+    head = load_model_once(path, backend, threads, what="EAGLE3 head")
+    if not isinstance(head, Eagle3Head):
+        raise SpeculantError(f"{path}: not an EAGLE3 head (architecture '{head.info.architecture}'); "
+                             "use --spec-type draft-simple for a draft model")
     return head
 
 
