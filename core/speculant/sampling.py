@@ -11,6 +11,8 @@ import random
 import attrs
 import torch
 
+from speculant.types import TokenLogprob
+
 
 @attrs.frozen
 class SamplingParams:
@@ -81,3 +83,20 @@ class Sampler:
             n = max(1, int((p >= self.params.min_p * p[0]).sum()))
             kept, ids = kept[:n], ids[:n]
         return ids, kept
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the raw distribution of its row (logits [>= len(tokens),
+    V], row i produced tokens[i]) and the n_top most likely tokens there. Row by row, so a row's
+    values do not depend on the rows beside it: equal logits give equal bits (plain decoding's one
+    row or a verification's several)."""
+    out = []
+    for i, t in enumerate(tokens):
+        lp = torch.log_softmax(logits[i].float(), -1)
+        top = ()
+        if n_top > 0:
+            values, ids = torch.topk(lp, min(n_top, lp.shape[-1]))
+            # equal values by token id, as greedy sampling breaks ties (the first maximum)
+            top = tuple(sorted(zip(ids.tolist(), values.tolist()), key=lambda x: (-x[1], x[0])))
+        out.append(TokenLogprob(t, float(lp[t]), top))
+    return out

@@ -80,6 +80,17 @@ class ForwardOutput:
 
 
 @attrs.frozen
+class TokenLogprob:
+    """An emitted token's log-probability under the target: log-softmax of the raw logits of the
+    row that produced it (before temperature, top-k, top-p, min-p), and the `top` most likely
+    tokens there as (token, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
 class Draft:
     """Tokens a speculator proposes. `probs` [len(tokens), n_vocab] (the draft distribution each
     token was sampled from) enables rejection sampling; without it the engine uses sample-and-match."""
