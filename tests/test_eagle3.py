@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -66,6 +67,10 @@ def test_missing_keys_and_bad_files_are_one_line_errors(tiny, tmp_path):
     path = tmp_path / "broken.gguf"
     write_head(str(path), net.cfg, weights, target_path=tiny.target_path)
     with pytest.raises(ModelFileError, match="attn_norm_2"):
+        load_model(str(path), progress=False)
+    # a head_dim the weights were not made for is found at load, not in the first draft
+    write_head(str(path), attrs.evolve(net.cfg, head_dim=net.cfg.head_dim // 2), net.gguf_weights(), target_path=tiny.target_path)
+    with pytest.raises(ModelFileError, match=r"'blk.0.attn_q.weight' has shape .* expected"):
         load_model(str(path), progress=False)
     with pytest.raises(SpeculantError, match="not an EAGLE3 head"):
         build_speculators(["eagle3"], {}, target=tiny.target, draft_model=tiny.target_path)

@@ -17,7 +17,7 @@ import torch
 
 from speculant import Batch, KVCache, ModelFileError, ModelInfo, SpeculantError, backend_kernel
 
-from speculant_eagle3.layout import ARCH, LAYER_TENSORS, HeadConfig, read_config
+from speculant_eagle3.layout import ARCH, LAYER_TENSORS, HeadConfig, expected_shapes, read_config
 from speculant_eagle3.kernels import apply_rope, rms_norm, rope_tables, silu_times
 
 
@@ -44,11 +44,18 @@ class Eagle3Head:
             # The decoder concatenates the (borrowed) target embedding with g: both n_embd wide.
             raise ModelFileError(f"{gguf.path}: the head's n_embd {cfg.n_embd} differs from the target's {cfg.target_hidden}")
 
+        shapes = expected_shapes(cfg)
+
         def get(name, optional=False):
             info = gguf.tensors.get(name)
             if info is None and not optional:
                 raise ModelFileError(f"{gguf.path}: tensor '{name}' is missing")
             if info is not None:
+                # A wrong shape would fail in the first draft, costing every request its
+                # speculation with no word why; here it is one line naming the tensor.
+                if tuple(info.shape) != shapes[name]:
+                    raise ModelFileError(f"{gguf.path}: tensor '{name}' has shape {list(info.shape)}, expected "
+                                         f"{list(shapes[name])} from the '{ARCH}.*' hyperparameters")
                 progress(info.data.nbytes)
             return info
 

@@ -96,6 +96,19 @@ def read_config(gguf) -> HeadConfig:
     )
 
 
+def expected_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the layout and its shape in PyTorch order (rows, columns), from the
+    hyperparameters: q/k/v read [embedding; g], 2 * n_embd wide; fc reads the three taps."""
+    d, q, kv = c.n_embd, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
+    layer = {"attn_norm": (d,), "attn_norm_2": (d,), "attn_q": (q, 2 * d), "attn_k": (kv, 2 * d),
+             "attn_v": (kv, 2 * d), "attn_output": (d, q), "ffn_norm": (d,), "ffn_gate": (c.n_ff, d),
+             "ffn_up": (c.n_ff, d), "ffn_down": (d, c.n_ff)}
+    return {"fc.weight": (d, 3 * c.target_hidden), "enc.output_norm.weight": (3 * c.target_hidden,),
+            **{f"blk.0.{t}.weight": shape for t, shape in layer.items()},
+            "output_norm.weight": (d,), "output.weight": (c.n_draft_vocab, d),
+            "token_embd.weight": (c.n_target_vocab, d), "d2t": (c.n_draft_vocab,)}
+
+
 def _copy_tokenizer(writer, target_path: str) -> None:
     """Copy the target's tokenizer.* keys (llama.cpp reads the draft's own vocabulary and checks it)."""
     from gguf import GGUFReader
