@@ -1,0 +1,597 @@
+"""The decode loop: propose -> one target forward over all sequences -> verify -> accept/truncate.
+
+Everything works on token ids; the engine knows nothing of text. Per step, each active sequence
+contributes the rows its target state still lacks (normally just its last token) plus its draft;
+one forward runs all of them; each sequence keeps the longest draft prefix the target agrees with
+plus one token of the target's own, and its target state is cut back to what was kept (KV
+truncate, or checkpoint restore and replay for recurrent state).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import attrs
+import torch
+
+from speculant.adaptive import DraftLengthController
+from speculant.chain import SpeculatorChain
+from speculant.errors import LimitError
+from speculant.model import Model
+from speculant.sampling import Sampler, SamplingParams, token_logprobs
+from speculant.types import Batch, Draft, DraftLimits, DraftRequest, SequenceView, TokenLogprob
+from speculant.verify import verify
+
+# Prompt rows per forward. A prompt is fed in chunks of this size, one chunk per step, so that the
+# other sequences keep decoding while a long prompt is prefilled; the rest rides with the
+# sequence's first decode step. A row computes the same in any chunk (Model.row_classes).
+PREFILL_CHUNK = 512
+
+
+@attrs.frozen
+class EngineConfig:
+    n_ctx: int = 4096
+    draft_n_max: int = 16
+    draft_n_min: int = 0
+    draft_p_min: float = 0.0
+    adaptive: bool = True  # trim or skip drafts that would not pay for their verification
+    # Seconds a speculator's per-step call (propose, propose_batch, accept) may take (None: no
+    # limit). A call past it is not interrupted (Python cannot pre-empt it safely) but measured: its
+    # draft is dropped and its sequences go on without speculation (SpeculatorTimeout, logged).
+    # A speculator's first propose for a sequence, where it may catch up on the prompt, is exempt.
+    spec_deadline: float | None = 5.0
+
+    def __attrs_post_init__(self):
+        if self.n_ctx < 2:
+            raise LimitError(f"context size {self.n_ctx} is too small")
+        if self.spec_deadline is not None and not self.spec_deadline > 0:
+            raise LimitError(f"the speculator deadline must be positive, got {self.spec_deadline}")
+
+
+@attrs.frozen
+class SpecOverride:
+    """Per-sequence speculation settings (a server request's ``speculative.*`` fields); None keeps
+    the engine's. ``types``: the only spec types of the chain that may draft for the sequence, in
+    the chain's order (``()``: no speculation)."""
+
+    n_max: int | None = None
+    n_min: int | None = None
+    p_min: float | None = None
+    types: tuple[str, ...] | None = None
+
+
+_NO_OVERRIDE = SpecOverride()
+
+
+@attrs.define
+class SpecTypeStats:
+    """Totals for one spec type over everything the engine ran."""
+
+    drafts: int = 0  # verified drafts
+    drafted: int = 0  # tokens in them
+    accepted: int = 0
+    accepted_at: list[int] = attrs.field(factory=list)  # accepted_at[i]: drafts whose token i was accepted
+    declined: int = 0  # times the adaptive controller did not let the spec type draft
+    produced: int = 0  # tokens the speculator drafted, before the controller trimmed them
+    draft_seconds: float = 0.0  # time in the speculator, calls without a draft included
+    verify_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification step, the target's own token included."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
+
+    def add(self, draft_len: int, n_accepted: int) -> None:
+        self.drafts += 1
+        self.drafted += draft_len
+        self.accepted += n_accepted
+        self.accepted_at.extend([0] * (draft_len - len(self.accepted_at)))
+        for i in range(n_accepted):
+            self.accepted_at[i] += 1
+
+
+@attrs.define
+class SeqStats:
+    n_prompt: int = 0
+    n_generated: int = 0
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    n_declined: int = 0  # spec types the adaptive controller did not let draft, summed over steps
+    drafts: SpecTypeStats = attrs.field(factory=SpecTypeStats)  # this sequence's drafts, all spec types
+
+    @property
+    def n_drafts(self) -> int:
+        return self.drafts.drafts
+
+    @property
+    def n_drafted(self) -> int:
+        return self.drafts.drafted
+
+    @property
+    def n_accepted(self) -> int:
+        return self.drafts.accepted
+
+
+@attrs.define
+class Sequence:
+    seq_id: int
+    tokens: list[int]
+    n_prompt: int
+    max_new_tokens: int
+    sampler: Sampler
+    n_cached: int = 0  # tokens[:n_cached] are in the target's state
+    finish_reason: str | None = None
+    stats: SeqStats = attrs.field(factory=SeqStats)
+    saved: Any = None  # recurrent-state checkpoint taken before verifying a draft
+    spec: SpecOverride | None = None
+    spec_error: str | None = None  # a speculator raised for this sequence: it goes on without speculation
+    prefilled: bool = False  # the prompt's chunks but its last (which rides with the first step) are in
+    n_reused: int = 0  # prompt tokens whose state came from an earlier request (the prompt cache)
+    # (first row, prompt length) runs: rows from `first row` on were computed for a request whose
+    # prompt had that length (the backend may compute prompt rows by it, see Model.row_classes).
+    row_prompts: tuple[tuple[int, int], ...] = ()
+    # (tokens, handle) states saved at prompt ends, for a recurrent target: the only points a later
+    # request can go back to, since its state cannot be cut.
+    checkpoints: list[tuple[int, Any]] = attrs.field(factory=list)
+    # Log-probabilities: None, none recorded; k >= 0, each emitted token's logprob and the k most
+    # likely tokens of its row, in `logprobs` (one entry per generated token, in order).
+    n_logprobs: int | None = None
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    # Sharing a prompt (Engine.add(..., fork_of=)): the sequence waits, without rows of its own,
+    # until `parent` holds the prompt's rows, and then starts from a copy of them (`forks`: the
+    # sequences waiting on this one).
+    parent: "Sequence | None" = attrs.field(default=None, repr=False, eq=False)
+    forks: list["Sequence"] = attrs.field(factory=list, repr=False, eq=False)
+
+    def prefill_rows(self) -> list[int]:
+        """The prompt's next chunk to feed (empty once the prompt is in)."""
+        end = len(self.tokens) - 1
+        return self.tokens[self.n_cached : min(end, self.n_cached + PREFILL_CHUNK)]
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    def view(self) -> SequenceView:
+        return SequenceView(self.seq_id, tuple(self.tokens), self.n_prompt, max(0.0, self.sampler.params.temperature))
+
+
+# Prompt-end states a recurrent sequence keeps (llama.cpp's --ctx-checkpoints keeps 32 a slot).
+MAX_CHECKPOINTS = 8
+
+
+@attrs.define(eq=False)
+class CachedPrompt:
+    """A finished sequence's state, kept for a later request to continue from (the prompt cache):
+    the target's rows for `tokens`, and the speculators' state, stay under `seq_id` in their
+    contexts until a request continues from it (`Engine.add(..., cached=entry)`) or it is dropped
+    (`Engine.drop_cached`)."""
+
+    seq_id: int
+    tokens: tuple[int, ...]  # whose state the target's context holds, in order
+    row_prompts: tuple[tuple[int, int], ...]
+    checkpoints: list[tuple[int, Any]]
+    n_bytes: int  # the target state's memory (what the server's --cache-ram limit counts)
+    speculators_synced: bool = True  # False: the speculators hold nothing for it (a state loaded from a file)
+
+    def common_prefix(self, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` this entry holds."""
+        n = min(len(self.tokens), len(prompt))
+        i = 0
+        while i < n and self.tokens[i] == prompt[i]:
+            i += 1
+        return i
+
+
+@attrs.define
+class _Part:
+    """One sequence's rows in a step: a prompt chunk (draft None, no logits) or decoding rows."""
+
+    seq: Sequence
+    draft: Draft | None
+    batch: Batch
+
+
+@attrs.define
+class StepPlan:
+    decode: list[_Part]
+    prefill: list[_Part]
+    batch: Batch  # all the rows of one forward: the decoding parts first, then the prompt chunks
+
+
+def _per_row(row_prompts: tuple[tuple[int, int], ...], n: int) -> list[int]:
+    """The prompt length each of the first n rows was computed for, from (first row, length) runs."""
+    out = []
+    for i, (a, length) in enumerate(row_prompts):
+        end = row_prompts[i + 1][0] if i + 1 < len(row_prompts) else n
+        out.extend([length] * (min(end, n) - a))
+    return out[:n]
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), speculators: list[Any] = ()):
+        self.model, self.config = model, config
+        self.context = model.new_context(config.n_ctx)
+        self.recurrent = getattr(self.context, "state_kind", "kv") == "recurrent"
+        self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline)
+        self.controller = DraftLengthController(enabled=config.adaptive)
+        self.spec_stats: dict[str, SpecTypeStats] = {}
+        self.eog = frozenset(getattr(model.tokenizer, "eog_ids", ()) or ())
+        self.n_vocab = model.info.n_vocab
+        self.sequences: dict[int, Sequence] = {}
+        self._next_id = 0
+
+    # --- sequences ---------------------------------------------------------------------
+    def add(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
+            spec: SpecOverride | None = None, cached: CachedPrompt | None = None, logprobs: int | None = None,
+            fork_of: Sequence | None = None) -> Sequence:
+        """Start a sequence. With `cached` (an entry from `keep`), it continues from the longest
+        prefix of the entry that computes exactly as a cold start would (`reusable`): only the
+        rest of the prompt is prefilled, and the speculators get `truncate` instead of `begin`, so
+        their state up to there survives. The entry is used up either way.
+
+        `logprobs` (k >= 0): record each emitted token's log-probability and the k most likely
+        tokens of its row in `seq.logprobs` (None: nothing is computed).
+
+        `fork_of` (a running sequence with the same prompt, e.g. the first of n choices): the
+        prompt is not prefilled again; the new sequence waits until that one holds the prompt's
+        rows (all but the last, whose logits each sequence computes itself) and starts from a copy
+        of them: the same rows a cold start computes, bit for bit. Ignored where the target's
+        state cannot be copied (a recurrent target), with `cached`, or for another prompt."""
+        if not prompt:
+            raise LimitError("the prompt is empty")
+        if len(prompt) >= self.config.n_ctx:
+            raise LimitError(f"prompt has {len(prompt)} tokens, the context holds {self.config.n_ctx} (prompt plus at least one new token)")
+        if max_new_tokens < 1:
+            raise LimitError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        n_reused = self.reusable(cached, prompt) if cached is not None else 0
+        if cached is not None and n_reused == 0:
+            self.drop_cached(cached)
+            cached = None
+        seq_id = cached.seq_id if cached is not None else self._new_id()
+        seq = Sequence(seq_id, list(prompt), len(prompt), max_new_tokens, Sampler(params), spec=spec, n_logprobs=logprobs)
+        seq.stats.n_prompt = len(prompt)
+        if cached is None:
+            seq.row_prompts = ((0, len(prompt)),)
+            self.sequences[seq_id] = seq
+            self._spec_call(seq, self.chain.begin, seq.view())
+            if fork_of is not None and self._can_fork(fork_of, prompt):
+                if fork_of.n_cached >= len(prompt) - 1:
+                    self._fork(seq, fork_of)
+                else:
+                    seq.parent = fork_of
+                    fork_of.forks.append(seq)
+            return seq
+        self._restore_prefix(cached, n_reused)
+        seq.n_cached = seq.n_reused = n_reused
+        seq.row_prompts = tuple((a, n) for a, n in cached.row_prompts if a < n_reused) + ((n_reused, len(prompt)),)
+        seq.checkpoints = [(n, h) for n, h in cached.checkpoints if n <= n_reused]
+        self.sequences[seq_id] = seq
+        if cached.speculators_synced:
+            self._spec_call(seq, self.chain.truncate, seq.view(), n_reused)
+        else:
+            self._spec_call(seq, self.chain.begin, seq.view())
+        return seq
+
+    def _can_fork(self, parent: Sequence, prompt: list[int]) -> bool:
+        return (not self.recurrent and hasattr(self.context, "get_state") and hasattr(self.context, "set_state")
+                and self.sequences.get(parent.seq_id) is parent and parent.n_prompt == len(prompt)
+                and parent.tokens[: len(prompt)] == list(prompt))
+
+    def _fork(self, seq: Sequence, parent: Sequence) -> None:
+        """Start `seq` from a copy of `parent`'s rows of the prompt but its last token."""
+        n = seq.n_prompt - 1
+        if n > 0:
+            state = self.context.get_state(parent.seq_id)
+            self.context.set_state(seq.seq_id, {k: v[:, :n] for k, v in state.items()})
+        seq.n_cached = seq.n_reused = n
+        seq.row_prompts = tuple((a, m) for a, m in parent.row_prompts if a < n) + ((n, seq.n_prompt),)
+        seq.parent = None
+
+    def _unfork(self, parent: Sequence) -> None:
+        """`parent` goes away: the sequences still waiting on it prefill the prompt themselves."""
+        for child in parent.forks:
+            child.parent = None
+        parent.forks = []
+
+    def _forks_ready(self, parent: Sequence) -> None:
+        if parent.forks and parent.n_cached >= parent.n_prompt - 1:
+            for child in parent.forks:
+                if self.sequences.get(child.seq_id) is child:
+                    self._fork(child, parent)
+            parent.forks = []
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def reusable(self, cached: CachedPrompt, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` can take their state from `cached` and still compute
+        exactly what a cold start computes: the common prefix (all but the prompt's last token,
+        whose logits are needed), cut where the model would compute a row differently for this
+        prompt than it did for the request that computed it (Model.row_classes), and, for a
+        recurrent target, to the point of a saved state."""
+        n = min(cached.common_prefix(prompt), len(prompt) - 1)
+        if self.recurrent:
+            if n == len(cached.tokens):
+                return n
+            return max((m for m, _ in cached.checkpoints if m <= n), default=0)
+        classes = getattr(self.model, "row_classes", None)
+        if classes is None or n == 0:
+            return n
+        positions = range(n)
+        old = classes(positions, _per_row(cached.row_prompts, n))
+        new = classes(positions, [len(prompt)] * n)
+        if old is None:
+            return n
+        return next((i for i in positions if old[i] != new[i]), n)
+
+    def _restore_prefix(self, cached: CachedPrompt, n: int) -> None:
+        """Cut the entry's target state back to its first n tokens."""
+        if not self.recurrent:
+            self.context.truncate(cached.seq_id, n)
+        elif n < len(cached.tokens):
+            self.context.restore(cached.seq_id, next(h for m, h in cached.checkpoints if m == n))
+
+    def keep(self, seq: Sequence) -> CachedPrompt:
+        """Finish a sequence but keep its state for a later request (`add(..., cached=entry)`)."""
+        self._unfork(seq)
+        self._detach(seq)
+        self.sequences.pop(seq.seq_id, None)
+        self.controller.forget(seq.seq_id)
+        if seq.saved is not None:  # stopped between a checkpoint and its verification
+            self.context.restore(seq.seq_id, seq.saved)
+            seq.saved = None
+        return CachedPrompt(seq.seq_id, tuple(seq.tokens[: seq.n_cached]), seq.row_prompts, seq.checkpoints, self._nbytes(seq.seq_id))
+
+    def adopt(self, tokens: list[int], row_prompts: tuple[tuple[int, int], ...], state: dict) -> CachedPrompt:
+        """An entry from a target state saved elsewhere (`context.get_state` of an entry with these
+        tokens and row_prompts, e.g. read back from a file). ValueError if it does not fit."""
+        if self.recurrent or not hasattr(self.context, "set_state"):
+            raise ValueError("this model's state cannot be loaded")
+        seq_id = self._new_id()
+        try:
+            n = self.context.set_state(seq_id, state)
+            if n != len(tokens):
+                raise ValueError(f"the state holds {n} rows for {len(tokens)} tokens")
+        except Exception:
+            self.context.drop(seq_id)
+            raise
+        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id), speculators_synced=False)
+
+    def _nbytes(self, seq_id: int) -> int:
+        """The memory of a sequence's target state (0 where the context cannot say)."""
+        nbytes = getattr(self.context, "nbytes", None)
+        return 0 if nbytes is None else nbytes(seq_id)
+
+    def drop_cached(self, cached: CachedPrompt) -> None:
+        """Free a kept state (target and speculators)."""
+        self.context.drop(cached.seq_id)
+        try:
+            self.chain.end(cached.seq_id)
+        except Exception:  # a speculator failing to free its state must not fail the caller
+            pass
+
+    def _detach(self, seq: Sequence) -> None:
+        if seq.parent is not None:
+            seq.parent.forks = [c for c in seq.parent.forks if c is not seq]
+            seq.parent = None
+
+    def release(self, seq: Sequence) -> None:
+        self._unfork(seq)
+        self._detach(seq)
+        self.sequences.pop(seq.seq_id, None)
+        self.context.drop(seq.seq_id)
+        self.controller.forget(seq.seq_id)
+        try:
+            self.chain.end(seq.seq_id)
+        except Exception as e:  # the sequence is gone either way
+            seq.spec_error = seq.spec_error or f"{type(e).__name__}: {e}"
+
+    def _spec_call(self, seq: Sequence, hook, *args, timed: bool = False):
+        """A speculator hook for one sequence. A speculator that raises turns speculation off for
+        this sequence only: it goes on with plain decoding, the error is left in seq.spec_error.
+        `timed` (the per-step hooks): so does a call longer than the config's spec_deadline."""
+        if seq.spec_error is not None:
+            return None
+        t = time.perf_counter()
+        try:
+            out = hook(*args)
+        except Exception as e:
+            seq.spec_error = f"{type(e).__name__}: {e}"
+            return None
+        late = self.chain.late(f"the speculators' {hook.__name__}", time.perf_counter() - t, [seq.seq_id]) if timed else None
+        if late is not None:
+            seq.spec_error = f"{type(late).__name__}: {late}"
+        return out
+
+    def active(self) -> list[Sequence]:
+        return [s for s in self.sequences.values() if s.finish_reason is None]
+
+    # --- the loop: plan -> run -> commit -------------------------------------------------------
+    def step(self) -> dict[int, list[int]]:
+        """Advance every active sequence: one that is decoding by at least one token, one whose
+        prompt is still going in by one chunk of it (no tokens yet). Returns the new tokens by id."""
+        plan = self._plan_step()
+        t0 = time.perf_counter()
+        out = self.model.forward(plan.batch, self.context, self.chain.hidden_layers)
+        return self._commit(plan, out, time.perf_counter() - t0)
+
+    def _plan_step(self) -> StepPlan:
+        """What one forward computes: a chunk of each prompt still going in, and for each decoding
+        sequence its rows not yet in the target's state plus the chain's draft."""
+        prefill, decoding = [], []
+        for seq in self.active():
+            if seq.parent is not None:  # waits for the prompt's rows of the sequence it shares them with
+                continue
+            if not seq.prefilled:  # a new prompt; replayed rows of a recurrent state ride with the step
+                rows = seq.prefill_rows()
+                # The prompt's last chunk rides with its first decode step (one forward less
+                # before the first token): a row computes the same in either (Model.row_classes).
+                # A recurrent target takes it alone, to save its state at the prompt's end.
+                if len(rows) == PREFILL_CHUNK or (rows and self.recurrent):
+                    prefill.append(_Part(seq, None, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none", prompt_len=seq.n_prompt)))
+                    continue
+                seq.prefilled = True
+                if self.recurrent and seq.n_cached > seq.n_reused:  # a point a later prompt can resume from
+                    seq.checkpoints = seq.checkpoints[-(MAX_CHECKPOINTS - 1):] + [(seq.n_cached, self.context.save(seq.seq_id))]
+            decoding.append(seq)
+        drafts = self._propose_all(decoding)
+        parts = []
+        for seq in decoding:
+            draft = drafts[seq.seq_id]
+            pending = seq.tokens[seq.n_cached:]
+            rows = pending + list(draft.tokens if draft else ())
+            b = Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="all" if draft else "last", prompt_len=seq.n_prompt)
+            if draft:  # logits only from the last pending row on
+                b = attrs.evolve(b, want_logits=tuple(i >= len(pending) - 1 for i in range(len(rows))))
+                if self.recurrent:
+                    seq.saved = self.context.save(seq.seq_id)
+                    self._spec_call(seq, self.chain.checkpoint, seq.view(), "save")
+            parts.append(_Part(seq, draft, b))
+        # The prompt chunks go last, so the decoding rows keep their offsets in the output.
+        return StepPlan(parts, prefill, Batch.concat([p.batch for p in parts + prefill]))
+
+    def _commit(self, plan: StepPlan, out, seconds: float) -> dict[int, list[int]]:
+        """Verify each decoding sequence's rows, cut the states back to what was kept, tell the
+        speculators, and write the statistics (each once, here)."""
+        decode_rows = sum(1 + len(p.draft or ()) for p in plan.decode)
+        if not plan.prefill and len(plan.batch) == decode_rows:  # the cost model is of verification rows alone
+            self.controller.observe_forward(len(plan.batch), seconds)
+        new: dict[int, list[int]] = {}
+        hidden_row = sum(len(p.batch) for p in plan.decode)  # the prompt chunks' rows come last
+        for p in plan.prefill:
+            if out.hidden:
+                hidden = {l: h[hidden_row : hidden_row + len(p.batch)] for l, h in out.hidden.items()}
+                self._spec_call(p.seq, self.chain.prefill, p.seq.view(), p.seq.n_cached, hidden)
+            hidden_row += len(p.batch)
+            p.seq.n_cached += len(p.batch)
+            p.seq.stats.prompt_seconds += seconds
+            new[p.seq.seq_id] = []
+            self._forks_ready(p.seq)
+        row = hidden_row = 0
+        share = seconds / len(plan.decode) if plan.decode else 0.0
+        for p in plan.decode:
+            seq, draft = p.seq, p.draft
+            n_logits = sum(p.batch.want_logits)
+            logits = out.logits[row : row + n_logits]
+            hidden = {l: h[hidden_row : hidden_row + len(p.batch)] for l, h in out.hidden.items()}
+            row += n_logits
+            hidden_row += len(p.batch)
+            new[seq.seq_id], n_accepted = self._verify(seq, draft, logits, hidden, len(p.batch))
+            self._forks_ready(seq)
+            seq.stats.decode_seconds += share
+            if draft is not None:
+                seq.stats.drafts.add(len(draft), n_accepted)
+                st = self._stats(draft.spec_type)
+                st.add(len(draft), n_accepted)
+                st.verify_seconds += share
+                self.controller.observe_draft(draft.spec_type, len(draft), n_accepted)
+        return new
+
+    def _stats(self, spec_type: str) -> SpecTypeStats:
+        return self.spec_stats.setdefault(spec_type, SpecTypeStats())
+
+    def _limits(self, seq: Sequence) -> DraftLimits:
+        o, c = seq.spec or _NO_OVERRIDE, self.config
+        room = min(c.n_ctx - len(seq.tokens) - 1, seq.max_new_tokens - seq.n_generated - 1)
+        return DraftLimits(min(c.draft_n_max if o.n_max is None else o.n_max, room),
+                           c.draft_n_min if o.n_min is None else o.n_min, c.draft_p_min if o.p_min is None else o.p_min)
+
+    def _plan(self, request: DraftRequest, spec_type: str) -> DraftLimits:
+        """The limits a speculator is asked with: its n_max cut to what pays for the draft's own
+        cost and its verification (0: it is not asked, the next one of the chain is)."""
+        k = self.controller.plan(spec_type, request.limits.n_max, request.seq.seq_id)
+        if k <= 0:
+            self._stats(spec_type).declined += 1
+            self.sequences[request.seq.seq_id].stats.n_declined += 1
+        return request.limits if k == request.limits.n_max else attrs.evolve(request.limits, n_max=k)
+
+    def _propose_all(self, seqs: list[Sequence]) -> dict[int, Draft | None]:
+        """The chain's drafts for all sequences in one batched call, trimmed to what pays off."""
+        drafts: dict[int, Draft | None] = {seq.seq_id: None for seq in seqs}
+        asking = [seq for seq in seqs if self.chain and seq.spec_error is None and (seq.spec or _NO_OVERRIDE).types != ()]
+        requests = [DraftRequest(seq.view(), self._limits(seq)) for seq in asking]
+        if not requests:
+            return drafts
+        only = [(seq.spec or _NO_OVERRIDE).types for seq in asking]
+        proposals = self.chain.propose_batch(requests, only, self._plan if self.controller.enabled else None)
+        for seq, request, p in zip(asking, requests, proposals):
+            for spec_type, seconds, n_tokens in p.costs:
+                seq.stats.draft_seconds += seconds
+                st = self._stats(spec_type)
+                st.draft_seconds += seconds
+                st.produced += n_tokens
+                self.controller.observe_cost(spec_type, seconds, n_tokens, seq.seq_id)
+            if p.error is not None:  # a speculator raised: this sequence goes on without speculation
+                seq.spec_error = f"{type(p.error).__name__}: {p.error}"
+                continue
+            draft = p.draft
+            if draft is None or len(draft) < max(1, request.limits.n_min):
+                continue
+            bad = next((t for t in draft.tokens if not 0 <= t < self.n_vocab), None)
+            if bad is not None:  # a broken speculator: never let it reach the target's embedding
+                seq.spec_error = f"{draft.spec_type} drafted token id {bad}, outside the vocabulary of {self.n_vocab}"
+                continue
+            if draft.probs is not None and draft.probs.shape[-1] != self.n_vocab:  # rejection sampling would fail the step
+                seq.spec_error = f"{draft.spec_type} drafted probabilities over {draft.probs.shape[-1]} tokens, the vocabulary has {self.n_vocab}"
+                continue
+            keep = self.controller.best_length(draft.spec_type, len(draft))
+            if keep < len(draft):
+                draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
+            drafts[seq.seq_id] = draft
+        return drafts
+
+    def _verify(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor, hidden: dict, n_rows: int) -> tuple[list[int], int]:
+        """The tokens the step emits for seq and how many of its draft were accepted; the target's
+        state cut back to what was kept (or restored, for recurrent state), the speculators told."""
+        n_before = len(seq.tokens)
+        emitted, n_accepted = verify(seq.sampler, logits, draft, self.eog)
+        # Never past the budget or the context (the draft limits make this a no-op normally).
+        budget = min(seq.max_new_tokens - seq.n_generated, self.config.n_ctx - n_before)
+        emitted = emitted[:budget]
+        n_accepted = min(n_accepted, len(emitted))
+        seq.tokens.extend(emitted)
+        if seq.n_logprobs is not None:  # row i of this step's logits produced emitted[i]
+            seq.logprobs.extend(token_logprobs(logits, emitted, seq.n_logprobs))
+
+        first_row = seq.n_cached  # the position of this step's first row
+        fed_end = seq.n_cached + n_rows  # the state now holds tokens up to here (pending + draft rows)
+        kept_end = n_before + n_accepted  # ... of which these are right; the last emitted token is pending
+        if self.recurrent and draft is not None and kept_end < fed_end:
+            # Recurrent state cannot be cut: go back to before the draft; the kept tokens are
+            # fed again as the first rows of the next step.
+            self.context.restore(seq.seq_id, seq.saved)
+            self._spec_call(seq, self.chain.checkpoint, seq.view(), "restore")
+        else:
+            if draft is not None and self.recurrent:
+                self._spec_call(seq, self.chain.checkpoint, seq.view(), "discard")
+            self.context.truncate(seq.seq_id, kept_end)
+            seq.n_cached = kept_end
+        seq.saved = None
+        self._spec_call(seq, self.chain.accept, seq.view(), draft, n_accepted, hidden, first_row, timed=True)
+
+        seq.stats.n_generated = seq.n_generated
+        if emitted and emitted[-1] in self.eog:
+            seq.finish_reason = "stop"
+        elif seq.n_generated >= seq.max_new_tokens:
+            seq.finish_reason = "length"
+        elif len(seq.tokens) >= self.config.n_ctx:
+            seq.finish_reason = "length"
+        return emitted, n_accepted
+
+    # --- convenience -----------------------------------------------------------------------
+    def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams()) -> Iterator[int]:
+        """Generate for one sequence, yielding tokens as they are accepted."""
+        seq = self.add(prompt, max_new_tokens, params)
+        try:
+            while seq.finish_reason is None:
+                yield from self.step()[seq.seq_id]
+        finally:
+            self.last_sequence = seq
+            self.release(seq)
