@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 
@@ -587,10 +588,27 @@ def test_the_ctypes_bindings_come_from_the_header_the_library_is_built_with():
     defined = {m[1] for src in native.SOURCES for line in src.read_text().splitlines()
                if (m := re.match(r"\w+\s+(spk_\w+)\(", line)) and not re.search(r"\);\s*(//.*)?$", line)}  # not a declaration
     assert defined == declared, f"defined but not in spk.h: {defined - declared}; declared, not defined: {declared - defined}"
-    assert all('#include "spk.h"' in src.read_text() for src in native.SOURCES)
+    assert all(INCLUDES_API.search(src.read_text()) for src in native.SOURCES)
     api = native.api()
     assert len(api) == len(declared) - 1  # all but spk_parallel_for (a function pointer: C++ callers only)
     for name, (restype, argtypes) in api.items():
         fn = getattr(lib, name)
         assert fn.argtypes == argtypes and fn.restype == restype, name
     assert api["spk_linear_mode"][1][-1] is ctypes.c_int and api["spk_exp_check"][0] is ctypes.c_int64
+
+
+# spk.h itself, or kernels.h, the internal header (which includes spk.h)
+INCLUDES_API = re.compile(r'^#include "(spk|kernels)\.h"', re.M)
+
+
+def test_every_source_file_is_built_checked_and_hashed():
+    """A .cpp added to native/ is compiled into the library (SOURCES is every .cpp there, not a
+    list to keep up to date) and sees the C API (it includes spk.h or kernels.h, so the compiler
+    checks any spk_ function it defines against spk.h); the build's cache key hashes every .cpp and
+    .h, so an edit to any of them rebuilds."""
+    here = native.HEADER.parent
+    cpp, h = set(here.glob("*.cpp")), set(here.glob("*.h"))
+    assert set(native.SOURCES) == cpp and len(native.SOURCES) == len(cpp)
+    assert set(native._source_files()) == cpp | h and native.HEADER in h
+    assert '#include "spk.h"' in (here / "kernels.h").read_text()
+    assert not [src.name for src in sorted(cpp) if not INCLUDES_API.search(src.read_text())]

@@ -1,10 +1,11 @@
 """Build and load the native kernels at first use.
 
-The library (qmatmul.cpp: the linear layers; attention.cpp: decode attention; elementwise.cpp:
-SwiGLU, the GELU table and rope tables with llama.cpp's arithmetic) is compiled with the
-machine's C++ compiler for this CPU (-march=native) and cached
-under ``$SPECULANT_CACHE`` (default ``~/.cache/speculant``) by a hash of the source, the compiler
-and the CPU flags, so a later start loads it in milliseconds. It is reached through ctypes: no
+The library (every .cpp here, one g++ call: linear.cpp and the files it calls for the linear
+layers, attention.cpp for decode attention, elementwise.cpp for SwiGLU, the GELU table and rope
+tables with llama.cpp's arithmetic; see docs/architecture.md) is compiled with the machine's C++
+compiler for this CPU (-march=native) and cached
+under ``$SPECULANT_CACHE`` (default ``~/.cache/speculant``) by a hash of the sources and headers,
+the compiler and the CPU flags, so a later start loads it in milliseconds. It is reached through ctypes: no
 Python or torch headers, so it builds in a couple of seconds. When there is no compiler, or the
 CPU lacks AVX-512 VNNI, `load()` returns None with the reason in `why_unavailable()`, and the
 backend keeps torch's kernels (``SPECULANT_NATIVE=0`` makes it keep them anyway).
@@ -21,7 +22,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("qmatmul.cpp", "attention.cpp", "elementwise.cpp")]
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.cpp"))  # every translation unit here is part of the library
+HEADERS = sorted(HERE.glob("*.h"))    # spk.h (the C API) and the internal headers
 ABI_VERSION = 5
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
 
@@ -45,9 +48,15 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
+def _source_files() -> list[Path]:
+    """Every file the library is built from, all in the cache key: an edit to any rebuilds."""
+    return [*SOURCES, *HEADERS]
+
+
 def _build(compiler: str) -> Path:
     key = hashlib.sha256()
-    for source in [*SOURCES, HEADER]:
+    for source in _source_files():
+        key.update(source.name.encode())
         key.update(source.read_bytes())
     key.update(" ".join(FLAGS).encode())
     key.update(subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.encode())

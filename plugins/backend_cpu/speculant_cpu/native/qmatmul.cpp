@@ -28,198 +28,17 @@
 // The library is built with -ffp-contract=off: the only FMAs are the ones written here.
 //
 // Called through ctypes (no Python or torch headers: it builds in about a second). Threads come
-// from a small pool of our own; the caller runs a share of the work too.
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
-#error "speculant's native kernels need AVX-512 F/BW/VL/VNNI and F16C"
-#endif
-
-#include <immintrin.h>
-
-#include "spk.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define SPK_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "kernels.h"
+#include "pool.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <condition_variable>
 #include <cstddef>
-#include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <mutex>
-#include <thread>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
+namespace spk SPK_HIDDEN {
 namespace {
-
-// GGML type ids (ggml.h)
-enum : int { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
-
-struct BlockQ4K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
-struct BlockQ6K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
-struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
-struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
-struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
-static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ6K) == 210 && sizeof(BlockQ8_0) == 34 &&
-              sizeof(BlockQ5_0) == 22 && sizeof(BlockQ4_0) == 18, "GGUF block sizes");
-
-inline float f16(uint16_t h) { return _cvtsh_ss(h); }
-
-// ---------------------------------------------------------------------------------------------
-// Quantized activations. One buffer per call, rows of nb blocks.
-struct Act {
-    int nb = 0;                 // blocks per row
-    int bsize = 0;              // 256 (Q8_K) or 32 (Q8_0)
-    // VNNI layout
-    std::vector<int8_t> qs;     // [m, nb, bsize]
-    std::vector<float> d;       // [m, nb]
-    std::vector<int16_t> bs16;  // Q8_K: sums of each 16 values [m, nb, 16]
-    std::vector<int16_t> bs32;  // Q8_K: sums of each 32 values [m, nb, 8]
-    std::vector<int8_t> xp;     // Q8_0, m >= 2: rows in pairs [m/2, nb, 2, 32] (for dot_b32's zmm)
-    std::vector<float> dp;      // Q8_0, m >= 2: their scales, each broadcast to 8 lanes [m/2, nb, 2, 8]
-    // AMX layout (Q8_K only): groups of 16 rows, the last one padded with zero rows.
-    std::vector<int8_t> bt;     // [group, nb, 64, 16, 4]: a tile B per block (value v of row i at [v/4][i][v%4])
-    std::vector<float> dt;      // [group, nb, 16]: scales, lane = row in the group
-    std::vector<int32_t> bp;    // [group, nb, 64]: Q4_K: int16 pairs of the sums of each 32 values [4][16]
-                                //                  (pair p: sub-blocks 2p, 2p+1);
-                                //                  Q6_K: the sums of all 256 values [16]
-    std::vector<int32_t> bq;    // Q6_K for q6k_tiled: [group, nb, 8, 16]: int16 pairs of the sums of
-                                // each 16 values (pair p: 2p, 2p+1); empty otherwise
-};
-
-// llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude (the first
-// such) maps to -127, round to nearest even. q in natural order; bs16/bs32: sums of each 16 / 32
-// values. (Vectorized; the same IEEE operations as llama.cpp's scalar loop.)
-void quantize_q8k_block(const float* x, int8_t* q, float* d, int16_t* bs16, int16_t* bs32) {
-    __m512 v[16];
-    __m512 am = _mm512_setzero_ps();
-    for (int t = 0; t < 16; ++t) {
-        v[t] = _mm512_loadu_ps(x + 16 * t);
-        am = _mm512_max_ps(am, _mm512_abs_ps(v[t]));
-    }
-    const float amax = _mm512_reduce_max_ps(am);
-    if (!(amax > 0.f)) {
-        std::memset(q, 0, 256);
-        *d = 0.f;
-        std::memset(bs16, 0, 32);
-        std::memset(bs32, 0, 16);
-        return;
-    }
-    float max = 0.f;
-    for (int t = 0; t < 16; ++t) {
-        const __mmask16 hit = _mm512_cmpeq_ps_mask(_mm512_abs_ps(v[t]), _mm512_set1_ps(amax));
-        if (hit) { max = x[16 * t + __builtin_ctz(hit)]; break; }
-    }
-    const float iscale = -127.f / max;
-    const __m512 is = _mm512_set1_ps(iscale);
-    // dword o of the packed result sits at dword 4 (o % 4) + o / 4 after the two in-lane packs
-    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    alignas(64) uint64_t sad[32];
-    for (int z = 0; z < 4; ++z) {
-        __m512i qi[4];
-        for (int t = 0; t < 4; ++t)  // cvtps2dq rounds to nearest even (the default MXCSR), as nearbyint does
-            qi[t] = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(is, v[4 * z + t])), _mm512_set1_epi32(127));
-        const __m512i q8 = _mm512_permutexvar_epi32(order, _mm512_packs_epi16(_mm512_packs_epi32(qi[0], qi[1]), _mm512_packs_epi32(qi[2], qi[3])));
-        _mm512_storeu_si512(q + 64 * z, q8);
-        // sums of each 8 values, as unsigned bytes q + 128
-        _mm512_store_si512(sad + 8 * z, _mm512_sad_epu8(_mm512_xor_si512(q8, _mm512_set1_epi8((char)0x80)), _mm512_setzero_si512()));
-    }
-    *d = 1.f / iscale;
-    for (int g = 0; g < 16; ++g) bs16[g] = (int16_t)((int)(sad[2 * g] + sad[2 * g + 1]) - 16 * 128);
-    for (int g = 0; g < 8; ++g) bs32[g] = (int16_t)(bs16[2 * g] + bs16[2 * g + 1]);
-}
-
-// VNNI layout. `q4k_order` stores each 128 values as [0..31, 64..95, 32..63, 96..127] so that a
-// 64-byte load lines up with the low or high nibbles of a Q4_K block's 64 packed bytes.
-void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float* d, int16_t* bs16, int16_t* bs32) {
-    for (int b = 0; b < nb; ++b, x += 256) {
-        int8_t q[256];
-        quantize_q8k_block(x, q, d + b, bs16 + 16 * b, bs32 + 8 * b);
-        int8_t* out = qs + 256 * b;
-        if (q4k_order) {
-            for (int h = 0; h < 2; ++h) {
-                const int8_t* src = q + 128 * h;
-                int8_t* dst = out + 128 * h;
-                std::memcpy(dst, src, 32);
-                std::memcpy(dst + 32, src + 64, 32);
-                std::memcpy(dst + 64, src + 32, 32);
-                std::memcpy(dst + 96, src + 96, 32);
-            }
-        } else {
-            std::memcpy(out, q, 256);
-        }
-    }
-}
-
-inline int32_t pair16(int16_t lo, int16_t hi) { return (int32_t)((uint32_t)(uint16_t)lo | ((uint32_t)(uint16_t)hi << 16)); }
-
-// AMX layout: row i of the call goes to lane i % 16 of group i / 16, its values in the order of
-// the weight planes: q4k_order for Q4_K by blocks, natural for Q4_K by pairs of sub-blocks and for
-// Q6_K; rows past m are zero rows. One work item is block b of group g, all 16 lanes: a B tile
-// interleaves the lanes every 4 bytes, so two threads each writing their own rows into it would
-// fight over every cache line of it (that made quantizing cost more than the matmul on small
-// calls).
-void quantize_q8k_block_amx(const float* x, int64_t m, int64_t k, int nb, bool q4k, bool q4k_order, int64_t g, int b, Act& a) {
-    alignas(64) int8_t q[16][256];
-    int16_t bs16[16][16], bs32[16][8];
-    const int64_t gb = g * nb + b;
-    for (int lane = 0; lane < 16; ++lane) {
-        const int64_t i = g * 16 + lane;
-        float d = 0.f;
-        if (i < m) {
-            quantize_q8k_block(x + i * k + 256 * b, q[lane], &d, bs16[lane], bs32[lane]);
-        } else {
-            std::memset(q[lane], 0, 256);
-            std::memset(bs16[lane], 0, sizeof bs16[lane]);
-            std::memset(bs32[lane], 0, sizeof bs32[lane]);
-        }
-        a.dt[gb * 16 + lane] = d;
-    }
-    // the tile: dword v of every lane, v = 0 .. 63; q4k_order: within each 128 values, the
-    // 32-value segments in the order 0, 2, 1, 3
-    int32_t* bt = (int32_t*)(a.bt.data() + gb * 4096);
-    for (int v = 0; v < 64; ++v) {
-        const int w = v % 32, seg = w / 8;
-        const int src = q4k_order ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
-        for (int lane = 0; lane < 16; ++lane) std::memcpy(bt + 16 * v + lane, q[lane] + 4 * src, 4);
-    }
-    int32_t* bp = a.bp.data() + gb * 64;
-    if (!q4k && !a.bq.empty()) {
-        int32_t* bq = a.bq.data() + gb * 128;
-        for (int lane = 0; lane < 16; ++lane)
-            for (int p = 0; p < 8; ++p) bq[16 * p + lane] = pair16(bs16[lane][2 * p], bs16[lane][2 * p + 1]);
-    }
-    for (int lane = 0; lane < 16; ++lane) {
-        if (q4k) {
-            for (int p = 0; p < 4; ++p) bp[16 * p + lane] = pair16(bs32[lane][2 * p], bs32[lane][2 * p + 1]);
-        } else {
-            int s = 0;
-            for (int j = 0; j < 16; ++j) s += bs16[lane][j];
-            bp[lane] = s;
-        }
-    }
-}
-
-// llama.cpp's x86 quantize_row_q8_0: scale amax/127 stored as fp16, values x*127/amax rounded
-// to nearest even.
-void quantize_q80_row(const float* x, int nb, int8_t* qs, float* d) {
-    for (int b = 0; b < nb; ++b, x += 32) {
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
-        const float id = amax != 0.f ? 127.f / amax : 0.f;
-        for (int j = 0; j < 32; ++j) qs[32 * b + j] = (int8_t)(int)std::nearbyint(x[j] * id);
-        d[b] = f16(_cvtss_sh(amax / 127.f, _MM_FROUND_TO_NEAREST_INT));
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The canonical Q4_K epilogue: one block's exact integer sums into the two fp32 accumulators of a
@@ -727,23 +546,6 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
 // (<= 32): isum = C1 + 256*C2 - 4096*bsum256; C1 <= 256*255*127 = 8.3M, 256*C2 <= 266M,
 // 4096*|bsum256| <= 133M: int32.
 
-bool amx_ok() {
-    static const bool ok = [] {
-#ifdef SPK_AMX
-        const char* env = std::getenv("SPECULANT_AMX");
-        if (env && env[0] == '0') return false;
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
-        // Linux hands out the tile state only on request, once per process.
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#else
-        return false;
-#endif
-    }();
-    return ok;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Q4_K on VNNI with the activations in the AMX layout (CPUs without AMX, from a few rows): the 16
@@ -753,7 +555,6 @@ bool amx_ok() {
 // values, 8 vpdpbusd give the sub-block's exact sum, which its 6-bit scale multiplies. That is the
 // same integer isum and msum as dot_q4k's, and the same canonical epilogue lane-wise, so the bits
 // are the other kernels' (the tests compare them).
-constexpr int TILED_GROUPS_MAX = 4;  // activation groups of a work item: ACT_TILE / 16
 
 // The sub-block of each 32-byte run of q4k_values' bytes: zmm z holds sub-blocks (0,2), (1,3), (4,6), (5,7).
 constexpr int Q4K_RUN_SUB[8] = {0, 2, 1, 3, 4, 6, 5, 7};
@@ -921,7 +722,6 @@ inline void tiles_ready() {
     if (std::memcmp(&cur, &TILE_CFG, sizeof cur) != 0) _tile_loadconfig(&TILE_CFG);
 }
 
-constexpr int AMX_GROUPS_MAX = 4;  // activation groups of 16 rows per work item (ACT_TILE / 16)
 
 // Index vectors for a vpermw source holding two rows' 16 scale words (row parity p reads words
 // 16p + ...): idx[0] as Q4.idx, for the planes in q4k_order (zmm z: sub-blocks (0,2), (1,3),
@@ -1149,93 +949,6 @@ void amx_chunk(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a,
 
 #endif  // SPK_AMX
 
-// ---------------------------------------------------------------------------------------------
-// A pool of worker threads. Workers spin briefly between jobs (consecutive matmuls of a layer
-// follow each other within microseconds), then sleep on a condition variable.
-class Pool {
-  public:
-    explicit Pool(int n) { resize(n); }
-    ~Pool() { stop_workers(); }
-
-    int size() const { return (int)workers_.size() + 1; }
-
-    void resize(int n) {
-        stop_workers();
-        stop_ = false;
-        // Workers start from the current generation: one that starts late must still see the next job.
-        const uint64_t now = generation_.load();
-        for (int t = 1; t < std::max(1, n); ++t) workers_.emplace_back([this, t, now] { loop(t, now); });
-    }
-
-    template <class F>
-    void run(F&& f) {  // f(thread index, thread count) on every thread, the caller included
-        const int n = size();
-        if (n == 1) { f(0, 1); return; }
-        job_ = [&f, n](int t) { f(t, n); };
-        pending_.store(n - 1, std::memory_order_relaxed);
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            generation_.fetch_add(1, std::memory_order_release);
-        }
-        cv_.notify_all();
-        job_(0);
-        // Wait for the workers; yield the core after a while in case one of them needs it.
-        for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
-            if (spins < 2000) _mm_pause();
-            else std::this_thread::yield();
-        }
-    }
-
-  private:
-    void loop(int t, uint64_t seen) {
-        for (;;) {
-            int spins = 0;
-            while (generation_.load(std::memory_order_acquire) == seen && !stop_.load()) {
-                if (++spins < 4000) { _mm_pause(); continue; }
-                std::unique_lock<std::mutex> lock(mu_);
-                cv_.wait(lock, [&] { return generation_.load() != seen || stop_.load(); });
-            }
-            if (stop_.load()) return;
-            seen = generation_.load(std::memory_order_acquire);
-            job_(t);
-            pending_.fetch_sub(1, std::memory_order_acq_rel);
-        }
-    }
-
-    void stop_workers() {
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            stop_ = true;
-        }
-        cv_.notify_all();
-        for (auto& w : workers_) w.join();
-        workers_.clear();
-    }
-
-    std::vector<std::thread> workers_;
-    std::function<void(int)> job_;
-    std::atomic<uint64_t> generation_{0};
-    std::atomic<int> pending_{0};
-    std::atomic<bool> stop_{false};
-    std::mutex mu_;
-    std::condition_variable cv_;
-};
-
-Pool* g_pool = nullptr;
-std::mutex g_call_mu;  // one matmul at a time: the pool and the activation buffer are shared
-
-Pool& pool() {
-    if (!g_pool) g_pool = new Pool((int)std::max(1u, std::thread::hardware_concurrency()));
-    return *g_pool;
-}
-
-constexpr int ROW_CHUNK = 16;   // weight rows per work item
-constexpr int ACT_TILE = 64;    // activation rows per work item: keeps them in L2 while weights stream
-constexpr int NR_MAX = 8;       // activation rows sharing one decode of a weight block
-#ifdef SPK_AMX
-static_assert(ROW_CHUNK == 16 && ACT_TILE % 16 == 0 && ACT_TILE <= 16 * AMX_GROUPS_MAX, "AMX work items");
-#endif
-
 // One activation row against four weight rows (decode): the four outputs' integer sums are
 // reduced together, one transpose-reduce for four results instead of one per result, and the
 // canonical epilogue runs on them lane-wise (lane t: weight row t). Per output the same IEEE
@@ -1319,15 +1032,6 @@ void dot_one(int qtype, const uint8_t* row, int nb, const Act& a, int i0, float*
     }
 }
 
-// The one place a runtime row count becomes a template argument: f(std::integral_constant<int, R>)
-// with R = nr for 1 <= nr <= NR_MAX (NR_MAX for more).
-template <int R = 1, class F>
-inline void with_rows(int nr, F&& f) {
-    if constexpr (R < NR_MAX) {
-        if (nr > R) return with_rows<R + 1>(nr, std::forward<F>(f));
-    }
-    f(std::integral_constant<int, R>{});
-}
 
 void dot_tile(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     with_rows(nr, [&](auto R) { dot_one<decltype(R)::value>(qtype, row, nb, a, i0, y, ldy); });
@@ -1346,18 +1050,6 @@ void dot_tile_canon(int nr, const uint8_t* row, int nb, const Act& a, int i0, fl
     with_rows(nr, [&](auto R) { dot_q6k_one_sum<decltype(R)::value, false>((const BlockQ6K*)row, nb, a, i0, y, ldy); });
 }
 
-size_t block_bytes(int qtype) {
-    switch (qtype) {
-        case T_Q4_K: return sizeof(BlockQ4K);
-        case T_Q6_K: return sizeof(BlockQ6K);
-        case T_Q8_0: return sizeof(BlockQ8_0);
-        case T_Q5_0: return sizeof(BlockQ5_0);
-        case T_Q4_0: return sizeof(BlockQ4_0);
-    }
-    return 0;
-}
-
-int block_values(int qtype) { return (qtype == T_Q4_K || qtype == T_Q6_K) ? 256 : 32; }
 
 Act g_act;
 
@@ -1372,33 +1064,14 @@ int g_amx_min_rows = 5;
 // 2.0-2.6x, 512 rows 2.2-2.8x.
 int g_tiled_min_rows = 8;
 int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX, 3 VNNI on the AMX layout
-
 }  // namespace
+}  // namespace spk
+
+using namespace spk;
 
 extern "C" {
 
 int spk_abi_version() { return 5; }
-
-void spk_set_threads(int n) {
-    std::lock_guard<std::mutex> lock(g_call_mu);
-    pool().resize(n);
-}
-
-int spk_threads() { return pool().size(); }
-
-// 1 when the Q4_K/Q6_K AMX path can run here (the CPU has AMX-INT8, the library was built with
-// it, Linux granted the tile state, SPECULANT_AMX is not 0).
-int spk_amx_available() { return amx_ok() ? 1 : 0; }
-
-// 1 when the library was compiled with the AMX kernel (a compiler that knows AMX, -march=native on
-// a CPU that has it).
-int spk_amx_built() {
-#ifdef SPK_AMX
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 // Calls with at least `rows` rows take the AMX path where it has the call's type and mode (0:
 // never); returns the old value.
@@ -1639,31 +1312,6 @@ int spk_linear_prompt(int qtype, const void* weights, int64_t n, int64_t k, cons
         a = b;
     }
     return 0;
-}
-
-// Touch every page of [p, p + bytes) from all threads, so a model's first forward does not pay
-// for hundreds of thousands of page faults.
-void spk_prefault(const void* ptr, int64_t bytes) {
-    std::lock_guard<std::mutex> lock(g_call_mu);
-    const volatile uint8_t* b = (const volatile uint8_t*)ptr;
-    std::atomic<int64_t> next{0};
-    const int64_t step = 1 << 20;
-    pool().run([&](int, int) {
-        for (int64_t off; (off = next.fetch_add(step)) < bytes;) {
-            const int64_t end = std::min(bytes, off + step);
-            for (int64_t o = off; o < end; o += 4096) (void)b[o];
-        }
-    });
-}
-
-// Run fn(i, ctx) for i in [0, n) on the pool's threads (for the other kernels of the library,
-// such as attention.cpp, so that one set of threads serves all of them).
-void spk_parallel_for(int64_t n, void (*fn)(int64_t, void*), void* ctx) {
-    std::lock_guard<std::mutex> lock(g_call_mu);
-    std::atomic<int64_t> next{0};
-    pool().run([&](int, int) {
-        for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i, ctx);
-    });
 }
 
 }  // extern "C"
