@@ -395,6 +395,23 @@ def test_unsupported_tokenizer_model_names_path_and_model():
         Tokenizer.from_metadata(md, "x.gguf")
 
 
+@pytest.mark.parametrize("kind, key, value, got", [
+    ("gpt2", "tokenizer.ggml.merges", 7, "an int"),
+    ("gpt2", "tokenizer.ggml.merges", ["a b", 3], "an array holding an int"),
+    ("gpt2", "tokenizer.ggml.token_type", 1, "an int"),
+    ("gpt2", "tokenizer.ggml.tokens", "abc", "a str"),
+    ("llama", "tokenizer.ggml.scores", 0.5, "a float"),
+    ("llama", "tokenizer.ggml.token_type", ["1"] * 400, "an array holding a str"),
+    ("llama", "tokenizer.ggml.tokens", [1, 2, 3], "an array holding an int"),
+])
+def test_metadata_of_the_wrong_shape_is_one_line(kind, key, value, got):
+    """A scalar where an array belongs, or an array of the wrong type, names the key: it raised
+    TypeError or AttributeError inside the tokenizer before."""
+    md = dict(tiny_vocab(kind), **{key: value})
+    with pytest.raises(ModelFileError, match=rf"x\.gguf: metadata '{key}' must be an array of \w+, got {got}$"):
+        Tokenizer.from_metadata(md, "x.gguf")
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_tiny_vocabularies_round_trip(kind):
     tok = Tokenizer.from_metadata(tiny_vocab(kind), "tiny.gguf")

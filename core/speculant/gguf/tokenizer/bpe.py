@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from speculant.errors import ModelFileError
-from speculant.gguf.tokenizer.vocab import Vocabulary
+from speculant.gguf.tokenizer.vocab import Vocabulary, array_of
 
 
 class BpeEncoder:
@@ -35,7 +35,7 @@ def _build_hf_bpe(metadata: dict[str, Any], vocab: Vocabulary, regexes: list[str
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import BPE
 
-    merges_raw = metadata.get("tokenizer.ggml.merges")
+    merges_raw = array_of(metadata, "tokenizer.ggml.merges", str, where)
     if not merges_raw:
         raise ModelFileError(f"{where}: BPE tokenizer without merges (tokenizer.ggml.merges is missing)")
     index = vocab.index

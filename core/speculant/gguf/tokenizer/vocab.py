@@ -144,6 +144,21 @@ class Vocabulary:
         return len(self.tokens)
 
 
+def array_of(metadata: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> list | None:
+    """metadata[key] when it is an array of `kind` (None when absent); anything else, a scalar
+    where an array belongs included, is one ModelFileError naming the key."""
+    value = metadata.get(key)
+    if value is None:
+        return None
+    ok = lambda x: isinstance(x, kind) and not isinstance(x, bool)
+    if isinstance(value, (list, tuple)) and all(map(ok, value)):
+        return value
+    what = {str: "strings", int: "integers"}.get(kind, "numbers")
+    a = lambda x: ("an " if type(x).__name__[0] in "aeiou" else "a ") + type(x).__name__
+    got = f"an array holding {a(next(x for x in value if not ok(x)))}" if isinstance(value, (list, tuple)) else a(value)
+    raise ModelFileError(f"{where}: metadata '{key}' must be an array of {what}, got {got}")
+
+
 def read_vocabulary(metadata: dict[str, Any], where: str) -> Vocabulary:
     """The vocabulary kind, token texts, types and scores, checked; ModelFileError names `where`."""
     model = metadata.get("tokenizer.ggml.model")
@@ -157,8 +172,8 @@ def read_vocabulary(metadata: dict[str, Any], where: str) -> Vocabulary:
             "'llama' SentencePiece)")
     pre = str(metadata.get("tokenizer.ggml.pre") or "default")
 
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, (list, tuple)) or not tokens:
+    tokens = array_of(metadata, "tokenizer.ggml.tokens", str, where)
+    if not tokens:
         raise ModelFileError(f"{where}: tokenizer vocabulary 'tokenizer.ggml.tokens' is missing or empty")
     n = len(tokens)
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp does
@@ -168,10 +183,10 @@ def read_vocabulary(metadata: dict[str, Any], where: str) -> Vocabulary:
         dup = next(t for t in tokens if t in seen or seen.add(t))
         raise ModelFileError(f"{where}: duplicate token {dup!r} in the tokenizer vocabulary")
 
-    scores = metadata.get("tokenizer.ggml.scores")
+    scores = array_of(metadata, "tokenizer.ggml.scores", (int, float), where)
     if scores is not None and len(scores) < n:
         raise ModelFileError(f"{where}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
-    types = metadata.get("tokenizer.ggml.token_type")
+    types = array_of(metadata, "tokenizer.ggml.token_type", int, where)
     if types is not None and len(types) < n:
         raise ModelFileError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
     if types is None:
