@@ -390,8 +390,7 @@ UNSUPPORTED = [
     ({"grammar": "root ::= \"a\""}, "grammar"),
     ({"json_schema": {}}, "json_schema"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True}, "logprobs"),
-    ({"n": 2}, "'n'"),
+    ({"post_sampling_probs": True}, "post_sampling_probs"),
 ]
 ACCEPTED = [{"tools": []}, {"tools": None}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
             {"grammar": ""}, {"logprobs": False}]

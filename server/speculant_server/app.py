@@ -183,6 +183,8 @@ def build_prompt(state: State, req: GenRequest) -> list[int]:
 
 # --- response shapes ------------------------------------------------------------------------------------
 class _Format:
+    """A response's shape. Choices are indexed 0..n-1; `logprobs` are TokenLogprob lists."""
+
     done_marker = True
 
     def __init__(self, state: State, req: GenRequest, job_id: str, prompt_text: str | None = None):
@@ -190,64 +192,136 @@ class _Format:
         self.created = int(time.time())
         self.job_id = job_id
         self.slot = -1
+        self.tokenizer = state.tokenizer
 
     @staticmethod
-    def usage(done: Done) -> dict:
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    def usage(dones: list[Done]) -> dict:
+        """The prompt once, the completion tokens of every choice."""
+        prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens}}
 
-    def start(self) -> list[dict]:
+    @staticmethod
+    def timings(dones: list[Done]) -> dict:
+        """The first choice's timings, with the predicted and draft counts of all choices."""
+        t = dict(dones[0].timings)
+        if len(dones) > 1:
+            for key in ("predicted_n", "draft_n", "draft_n_accepted"):
+                t[key] = sum(d.timings[key] for d in dones)
+            t["predicted_ms"] = max(d.timings["predicted_ms"] for d in dones)
+            t["predicted_per_token_ms"] = t["predicted_ms"] / t["predicted_n"] if t["predicted_n"] else 0.0
+            t["predicted_per_second"] = t["predicted_n"] / t["predicted_ms"] * 1e3 if t["predicted_ms"] > 0 else 0.0
+        return t
+
+    def token(self, token: int) -> tuple[str, list[int]]:
+        """A token's text (special tokens as their text; a piece of a UTF-8 character as U+FFFD)
+        and its bytes."""
+        b = self.tokenizer.token_bytes(token, True)
+        return b.decode("utf-8", "replace"), list(b)
+
+    def start(self, index: int) -> list[dict]:
+        return []
+
+    def usage_chunks(self, dones: list[Done]) -> list[dict]:
         return []
 
 
+def _lp(v: float) -> float:
+    """A logprob JSON can carry: -inf (a token the model rules out) as OpenAI's -9999.0."""
+    return v if v > -9999.0 else -9999.0
+
+
 class ChatFormat(_Format):
-    def _chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
+    def _chunk(self, delta: dict, index: int = 0, finish: str | None = None, logprobs=None, **extra) -> dict:
         return {"id": self.job_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "system_fingerprint": "speculant",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra}
 
-    def start(self):
-        return [self._chunk({"role": "assistant", "content": ""})]
+    def logprobs(self, entries) -> dict | None:
+        if entries is None:
+            return None
+        out = []
+        for e in entries:
+            text, b = self.token(e.token)
+            top = []
+            for t, lp in e.top:
+                tt, tb = self.token(t)
+                top.append({"token": tt, "logprob": _lp(lp), "bytes": tb})
+            out.append({"token": text, "logprob": _lp(e.logprob), "bytes": b, "top_logprobs": top})
+        return {"content": out}
 
-    def text(self, text):
-        return [self._chunk({"content": text})]
+    def start(self, index):
+        return [self._chunk({"role": "assistant", "content": ""}, index)]
 
-    def end(self, done: Done):
-        out = [self._chunk({}, done.finish_reason, timings=done.timings)]
-        if self.req.include_usage:
-            out.append({**self._chunk({}), "choices": [], "usage": self.usage(done), "timings": done.timings})
-        return out
+    def text(self, text, index=0, logprobs=None):
+        return [self._chunk({"content": text}, index, logprobs=self.logprobs(logprobs))]
 
-    def final(self, text: str, done: Done) -> dict:
+    def end(self, done: Done, index=0):
+        return [self._chunk({}, index, done.finish_reason, timings=done.timings)]
+
+    def usage_chunks(self, dones):
+        if not self.req.include_usage:
+            return []
+        return [{**self._chunk({}), "choices": [], "usage": self.usage(dones), "timings": self.timings(dones)}]
+
+    def final(self, texts: list[str], logprobs: list, dones: list[Done]) -> dict:
         return {"id": self.job_id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "system_fingerprint": "speculant",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": done.finish_reason}],
-                "usage": self.usage(done), "timings": done.timings}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                             "logprobs": self.logprobs(lps), "finish_reason": done.finish_reason}
+                            for i, (text, lps, done) in enumerate(zip(texts, logprobs, dones))],
+                "usage": self.usage(dones), "timings": self.timings(dones)}
 
 
 class CompletionsFormat(_Format):
-    def _chunk(self, text: str, finish: str | None = None, **extra) -> dict:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.offsets: dict[int, int] = {}  # per choice: characters of token text so far (text_offset)
+
+    def _chunk(self, text: str, index: int = 0, finish: str | None = None, logprobs=None, **extra) -> dict:
         return {"id": self.job_id, "object": "text_completion", "created": self.created, "model": self.model,
                 "system_fingerprint": "speculant",
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra}
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}], **extra}
 
-    def text(self, text):
-        return [self._chunk(text)]
-
-    def end(self, done: Done):
-        out = [self._chunk("", done.finish_reason, timings=done.timings)]
-        if self.req.include_usage:
-            out.append({**self._chunk(""), "choices": [], "usage": self.usage(done), "timings": done.timings})
+    def logprobs(self, entries, index: int) -> dict | None:
+        """OpenAI's legacy shape: the tokens, their logprobs, for each a dict of the top tokens'
+        texts (the chosen one always among them) to their logprobs, and where each token's text
+        starts (characters into the choice's token texts, concatenated)."""
+        if entries is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.offsets.get(index, 0)
+        for e in entries:
+            text, _ = self.token(e.token)
+            top = {self.token(t)[0]: _lp(lp) for t, lp in e.top}
+            top.setdefault(text, _lp(e.logprob))
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_lp(e.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
         return out
 
-    def final(self, text: str, done: Done) -> dict:
-        return {**self._chunk(text, done.finish_reason), "usage": self.usage(done), "timings": done.timings}
+    def text(self, text, index=0, logprobs=None):
+        return [self._chunk(text, index, logprobs=self.logprobs(logprobs, index))]
+
+    def end(self, done: Done, index=0):
+        return [self._chunk("", index, done.finish_reason, timings=done.timings)]
+
+    def usage_chunks(self, dones):
+        if not self.req.include_usage:
+            return []
+        return [{**self._chunk(""), "choices": [], "usage": self.usage(dones), "timings": self.timings(dones)}]
+
+    def final(self, texts: list[str], logprobs: list, dones: list[Done]) -> dict:
+        choices = [{"index": i, "text": text, "logprobs": self.logprobs(lps, i), "finish_reason": done.finish_reason}
+                   for i, (text, lps, done) in enumerate(zip(texts, logprobs, dones))]
+        return {**self._chunk(""), "choices": choices, "usage": self.usage(dones), "timings": self.timings(dones)}
 
 
 class LlamaFormat(_Format):
-    """llama-server's /completion."""
+    """llama-server's /completion (one choice)."""
 
     done_marker = False
 
@@ -255,8 +329,24 @@ class LlamaFormat(_Format):
         super().__init__(state, req, job_id)
         self.prompt_text = prompt_text
 
-    def text(self, text):
-        return [{"content": text, "stop": False, "id_slot": self.slot, "index": 0, "tokens": []}]
+    def probs(self, entries) -> list[dict]:
+        """llama-server's completion_probabilities (post_sampling_probs false): per token its id,
+        text, bytes and logprob, and the n_probs most likely tokens likewise."""
+        out = []
+        for e in entries:
+            text, b = self.token(e.token)
+            top = []
+            for t, lp in e.top:
+                tt, tb = self.token(t)
+                top.append({"id": t, "token": tt, "bytes": tb, "logprob": _lp(lp)})
+            out.append({"id": e.token, "token": text, "bytes": b, "logprob": _lp(e.logprob), "top_logprobs": top})
+        return out
+
+    def text(self, text, index=0, logprobs=None):
+        chunk = {"content": text, "stop": False, "id_slot": self.slot, "index": 0, "tokens": []}
+        if logprobs is not None:
+            chunk["completion_probabilities"] = self.probs(logprobs)
+        return [chunk]
 
     def _summary(self, done: Done) -> dict:
         return {"id_slot": done.slot, "index": 0, "stop": True, "model": self.model,
@@ -266,11 +356,14 @@ class LlamaFormat(_Format):
                 "stopping_word": done.stopping_word, "tokens_cached": done.prompt_tokens + done.completion_tokens,
                 "timings": done.timings}
 
-    def end(self, done: Done):
+    def end(self, done: Done, index=0):
         return [{"content": "", "tokens": [], **self._summary(done)}]
 
-    def final(self, text: str, done: Done) -> dict:
-        return {"content": text, "tokens": [], **self._summary(done), "has_new_line": "\n" in text}
+    def final(self, texts: list[str], logprobs: list, dones: list[Done]) -> dict:
+        out = {"content": texts[0], "tokens": [], **self._summary(dones[0]), "has_new_line": "\n" in texts[0]}
+        if logprobs[0] is not None:
+            out["completion_probabilities"] = self.probs(logprobs[0])
+        return out
 
 
 # --- generation -------------------------------------------------------------------------------------------
@@ -289,8 +382,19 @@ def _sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
+def choice_params(params, index: int):
+    """Choice i of an n > 1 request samples with seed + i (mod 2^64) when the request has a seed,
+    so the choices differ and each is reproducible; without one each draws its own random seed."""
+    if index == 0 or params.seed is None:
+        return params
+    return attrs.evolve(params, seed=(params.seed + index) % 2**64)
+
+
 async def generate(request: web.Request, req: GenRequest, fmt_cls) -> web.StreamResponse:
     state = request.app[STATE]
+    if req.n > state.config.n_slots:
+        raise bad(f"'n' is {req.n}, more than this server's {state.config.n_slots} slots (-np): "
+                  f"the choices of a request run at the same time", param="n")
     prompt = await _blocking(build_prompt, state, req)
     n, n_ctx = len(prompt), state.n_ctx
     if n == 0:
@@ -311,70 +415,95 @@ async def generate(request: web.Request, req: GenRequest, fmt_cls) -> web.Stream
     fmt.settings = generation_settings(state, req.params, req.max_tokens, req.stops, req.stream, req.spec)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
+    jobs: list[Job] = []
 
-    def emit(event: tuple) -> None:
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            job.cancelled = True
+    def emitter(index: int):
+        def emit(event: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                jobs[index].cancelled = True
+        return emit
 
-    job = Job(job_id, req.endpoint, prompt, max_new, req.params, req.stops, emit, req.spec, req.cache_prompt)
-    job.settings = fmt.settings
+    for i in range(req.n):
+        job = Job(job_id if req.n == 1 else f"{job_id}/{i}", req.endpoint, prompt, max_new, choice_params(req.params, i),
+                  req.stops, emitter(i), req.spec, req.cache_prompt, logprobs=req.logprobs)
+        job.settings = fmt.settings
+        jobs.append(job)
+    jobs[0].siblings = jobs[1:]
     try:
-        state.worker.submit(job)
+        state.worker.submit(jobs[0])
     except QueueFull as e:
         raise ApiError(503, f"the server is busy ({e}); try again later") from None
     try:
-        first = await _next_event(request, events)
-        if first[0] == "error":
-            raise first[1]
-        fmt.slot = first[1]
+        while fmt.slot < 0:  # all choices start together (the worker admits them at once), the first first
+            index, event = await _next_event(request, events)
+            if event[0] == "error":
+                raise event[1]
+            if index == 0:
+                fmt.slot = event[1]
         if req.stream:
-            return await _stream(request, fmt, events)
-        return await _collect(request, fmt, events)
+            return await _stream(request, fmt, events, req.n)
+        return await _collect(request, fmt, events, req.n)
     finally:  # done, failed, or the client went away (ClientGone, ConnectionResetError, CancelledError)
-        if not job.finished:
-            state.worker.cancel(job)
+        for job in jobs:
+            if not job.finished:
+                state.worker.cancel(job)
 
 
-async def _collect(request, fmt, events) -> web.Response:
-    parts = []
-    while True:
-        kind, value = await _next_event(request, events)
+async def _collect(request, fmt, events, n: int) -> web.Response:
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list | None] = [None] * n
+    dones: list[Done | None] = [None] * n
+    while any(d is None for d in dones):
+        index, (kind, value, *rest) = await _next_event(request, events)
+        if kind == "start":
+            continue
         if kind == "text":
-            parts.append(value)
+            texts[index].append(value)
+            if rest[0] is not None:
+                logprobs[index] = (logprobs[index] or []) + list(rest[0])
         elif kind == "done":
-            return _json(fmt.final("".join(parts), value))
+            dones[index] = value
         else:
             raise value
+    if fmt.req.logprobs is not None:
+        logprobs = [lp or [] for lp in logprobs]
+    return _json(fmt.final(["".join(t) for t in texts], logprobs, dones))
 
 
-async def _stream(request, fmt, events) -> web.StreamResponse:
+async def _stream(request, fmt, events, n: int) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
+    dones: list[Done | None] = [None] * n
     try:
-        for chunk in fmt.start():
-            await resp.write(_sse(chunk))
-        while True:
-            kind, value = await _next_event(request, events)
+        for index in range(n):
+            for chunk in fmt.start(index):
+                await resp.write(_sse(chunk))
+        while any(d is None for d in dones):
+            index, (kind, value, *rest) = await _next_event(request, events)
+            if kind == "start":
+                continue
             if kind == "text":
-                for chunk in fmt.text(value):
+                for chunk in fmt.text(value, index, rest[0]):
                     await resp.write(_sse(chunk))
             elif kind == "done":
-                for chunk in fmt.end(value):
+                dones[index] = value
+                for chunk in fmt.end(value, index):
                     await resp.write(_sse(chunk))
-                break
             else:  # headers are gone: the error travels as an event
                 await resp.write(_sse(value.body()))
                 break
+        else:
+            for chunk in fmt.usage_chunks(dones):
+                await resp.write(_sse(chunk))
         if fmt.done_marker:
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionResetError:
         raise ClientGone() from None
     return resp
-
 
 # --- handlers ---------------------------------------------------------------------------------------------
 async def chat_completions(request: web.Request):

@@ -53,6 +53,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-strings", type=int_in(0), default=64, help="most 'stop' strings in a request (default 64)")
     g.add_argument("--max-stop-length", type=int_in(1), default=512, metavar="CHARS",
                    help="longest 'stop' string, in characters (default 512)")
+    g.add_argument("--max-n", type=int_in(1), default=8, metavar="N",
+                   help="most choices a request may ask for with 'n' (default 8; also at most -np: the choices "
+                        "run at the same time, one slot each)")
     g.add_argument("--special-in-content", action="store_true",
                    help="parse special-token texts inside chat messages as control tokens, as before: a message "
                         "could then open turns of other roles (default: they are text)")
@@ -130,7 +133,7 @@ def cmd_serve(args) -> int:
                                  cache_ram=None if args.cache_ram < 0 else args.cache_ram << 20,
                                  slot_similarity=args.slot_prompt_similarity, slot_save_path=slot_save_path,
                                  limits=Limits(args.max_prompt_bytes, args.max_messages, args.max_stop_strings,
-                                               args.max_stop_length),
+                                               args.max_stop_length, args.max_n),
                                  special_in_content=args.special_in_content, body_timeout=args.timeout_body,
                                  keepalive_timeout=args.timeout_keep_alive, shutdown_timeout=args.shutdown_timeout)
     app = create_app(engine, server_config)

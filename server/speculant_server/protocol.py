@@ -18,6 +18,7 @@ from speculant.engine import SpecOverride
 from speculant.sampling import SamplingParams
 
 SPEC_N_LIMIT = 64  # as --spec-draft-n-max
+TOP_LOGPROBS_LIMIT = 20  # most top tokens per position: OpenAI's chat limit (its completions allow 5)
 
 
 class ApiError(Exception):
@@ -194,6 +195,7 @@ class Limits:
     max_messages: int = 2048  # OpenAI's own limit on 'messages'
     max_stop_strings: int = 64
     max_stop_length: int = 512  # characters of one stop string
+    max_n: int = 8  # choices per request ('n'); also at most the server's slots
 
     def prompt_bytes(self, n_ctx: int, max_token_bytes: int) -> int | None:
         """The prompt size limit in bytes (None: none). Automatic: what `n_ctx` tokens could hold at
@@ -241,6 +243,8 @@ class GenRequest:
     include_usage: bool = False
     spec: SpecOverride | None = None
     cache_prompt: bool = True  # llama-server's: continue from a kept state sharing a prefix with the prompt
+    n: int = 1  # choices, each its own sequence on the shared prompt
+    logprobs: int | None = None  # top tokens to report with each token's logprob (None: no logprobs)
 
 
 def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:
@@ -339,7 +343,7 @@ def parse_messages(body: dict, limits: Limits | None = None) -> list[dict]:
 # Each maps to the values that ask for nothing and are accepted.
 UNSUPPORTED = {
     "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
-    "grammar": (None, ""), "json_schema": (None,), "top_logprobs": (None,),
+    "grammar": (None, ""), "json_schema": (None,), "post_sampling_probs": (None, False),
 }
 
 
@@ -350,13 +354,39 @@ def _unsupported(body: dict) -> None:
             raise bad(f"'{key}' is not supported by this server", param=key)
 
 
+def _logprobs(body: dict, endpoint: str) -> int | None:
+    """How many top tokens to report with each token's logprob (None: no logprobs), in each
+    endpoint's own fields: chat's `logprobs` (boolean) and `top_logprobs`, completions' `logprobs`
+    (the number of top tokens), /completion's `n_probs` (llama-server's; 0: none)."""
+    if endpoint == "chat":
+        on = get_bool(body, "logprobs")
+        top = get_int(body, "top_logprobs", None, 0, TOP_LOGPROBS_LIMIT)
+        if top is not None and not on:
+            raise bad("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if on else None
+    if body.get("top_logprobs") is not None:
+        raise bad(f"'top_logprobs' is a chat completions field; here ask with "
+                  f"'{'logprobs' if endpoint == 'completions' else 'n_probs'}'", param="top_logprobs")
+    if endpoint == "completions":
+        if body.get("logprobs") is False:
+            return None
+        return get_int(body, "logprobs", None, 0, TOP_LOGPROBS_LIMIT)
+    if body.get("logprobs") not in (None, False):
+        raise bad("'logprobs' is an OpenAI field; /completion takes llama-server's 'n_probs'", param="logprobs")
+    n_probs = get_int(body, "n_probs", 0, 0, TOP_LOGPROBS_LIMIT)
+    return n_probs or None
+
+
 def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], known: list[str],
             limits: Limits | None) -> GenRequest:
-    n = get_int(body, "n", 1)
-    if n != 1:
-        raise bad(f"'n' must be 1 (one completion per request), got {n}", param="n")
-    if body.get("logprobs") not in (None, False) or body.get("n_probs"):
-        raise bad("logprobs are not supported", param="logprobs")
+    limits = limits or Limits()
+    if endpoint == "completion":
+        n = get_int(body, "n", 1)
+        if n != 1:
+            raise bad(f"'n' must be 1 on /completion (use /v1/completions for several choices), got {n}", param="n")
+    else:
+        n = get_int(body, "n", 1, 1, limits.max_n)
+    logprobs = _logprobs(body, endpoint)
     _unsupported(body)
     stream = get_bool(body, "stream")
     opts = body.get("stream_options")
@@ -367,7 +397,7 @@ def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], k
     return GenRequest(endpoint, max_tokens=_max_tokens(body, keys, defaults.n_predict),
                       params=sampling_params(body, defaults.params), stops=get_stop(body, limits), stream=stream,
                       include_usage=include_usage, spec=spec_override(body, enabled, known),
-                      cache_prompt=get_bool(body, "cache_prompt", True))
+                      cache_prompt=get_bool(body, "cache_prompt", True), n=n, logprobs=logprobs)
 
 
 def parse_chat(body: dict, defaults: Defaults, enabled: list[str], known: list[str],

@@ -6,8 +6,15 @@ frees the slot), runs one ``Engine.step()`` for all active sequences together, a
 sequence's new tokens into text (UTF-8 completed, stop strings cut) that it hands to the job's
 ``emit`` callback (the app's asyncio side, through ``loop.call_soon_threadsafe``).
 
-Events a job receives, in order: ("start", slot), then ("text", str) any number of times, then
-either ("done", Done) or ("error", ApiError). A cancelled job receives nothing more.
+Events a job receives, in order: ("start", slot), then ("text", str, logprobs) any number of
+times (logprobs: None, or the TokenLogprob of each token that this text delta comes from, when the
+job asked for them), then either ("done", Done) or ("error", ApiError). A cancelled job receives
+nothing more.
+
+A request for n choices is n jobs: the first is queued with the others as its `siblings`, and all
+are admitted together once n slots are free (the queue is first come, first served: the requests
+behind it wait too). The siblings share the first job's prompt rows (Engine.add(fork_of=)): the
+prompt is prefilled once.
 
 Other work on the engine or the slot cache (the slot actions save, restore, erase) goes through
 ``call``: the engine thread runs it between two steps and hands back its result or exception.
@@ -62,6 +69,8 @@ class Job:
     spec: SpecOverride | None = None
     cache_prompt: bool = True  # continue from a kept state sharing a prefix with the prompt (llama-server's field)
     settings: dict = attrs.field(factory=dict)  # what /slots shows
+    logprobs: int | None = None  # record logprobs with this many top tokens (None: none)
+    siblings: list["Job"] = attrs.field(factory=list)  # the other choices of an n > 1 request, admitted with this one
     cancelled: bool = False
     aborted: bool = False  # cancelled by the server's shutdown, not by its client (abort_running)
     finished: bool = False
@@ -72,6 +81,7 @@ class Job:
     t_queued: float = attrs.field(factory=time.perf_counter)
     t_start: float | None = None
     t_first: float | None = None
+    error: ApiError | None = None  # why it could not start
 
 
 @attrs.define
@@ -131,7 +141,7 @@ class EngineWorker:
         return sum(1 for j in self.slots if j is None)
 
     def n_waiting(self) -> int:
-        return max(0, len(self._pending) - self.free_slots())
+        return max(0, sum(1 + len(j.siblings) for j in list(self._pending)) - self.free_slots())
 
     def n_processing(self) -> int:
         return self.n_slots - self.free_slots()
@@ -143,7 +153,7 @@ class EngineWorker:
                 raise self._refusal()
             if self._stopping or self.draining:
                 raise ApiError(503, "the server is shutting down")
-            if len(self._pending) >= self.queue_size + self.free_slots():
+            if len(self._pending) >= self.queue_size + self.free_slots():  # an n-choice request counts once
                 raise QueueFull(f"all {self.n_slots} slots are busy and {len(self._pending)} requests are waiting")
             self._pending.append(job)
             self._cond.notify()
@@ -166,7 +176,7 @@ class EngineWorker:
         (they have not started; a client can retry elsewhere). The running jobs go on."""
         with self._cond:
             self.draining = True
-            waiting, self._pending = list(self._pending), collections.deque()
+            waiting, self._pending = [j for lead in self._pending for j in (lead, *lead.siblings)], collections.deque()
         for job in waiting:
             job.finished = True
             job.emit(("error", ApiError(503, "the server is shutting down")))
@@ -195,6 +205,8 @@ class EngineWorker:
                 self._pending.remove(job)
             except ValueError:
                 pass
+            for sib in job.siblings:
+                sib.cancelled = True
             self._cond.notify()
 
     # --- the engine thread ---------------------------------------------------------------------
@@ -226,7 +238,7 @@ class EngineWorker:
         """Fail every job and call the engine thread holds or that waits for it (it is ending)."""
         with self._cond:
             self._stopping = True  # submit and call refuse from now on
-            waiting, self._pending = list(self._pending), collections.deque()
+            waiting, self._pending = [j for lead in self._pending for j in (lead, *lead.siblings)], collections.deque()
             calls, self._calls = self._calls, []
         for job in self._active():
             try:
@@ -260,13 +272,29 @@ class EngineWorker:
             admit = []
             free = [i for i, j in enumerate(self.slots) if j is None]
             while self._pending and free:
-                job = self._pending.popleft()
+                job = self._pending[0]
+                if not job.cancelled and 1 + len(job.siblings) > len(free):
+                    break  # an n-choice request waits for n free slots, and the requests behind it with it
+                self._pending.popleft()
                 if not job.cancelled:
                     slot = self.cache.pick_slot(job.prompt, free) if job.cache_prompt else self.cache.pick_slot([], free)
                     free.remove(slot)
-                    admit.append((slot, job))
-        for slot, job in admit:
+                    group = [(slot, job)]
+                    for sib in job.siblings:  # the least recently used slots; their kept states go to the LRU
+                        s = self.cache.pick_slot([], free)
+                        free.remove(s)
+                        group.append((s, sib))
+                    admit.append(group)
+        for group in admit:
+            (slot, job), rest = group[0], group[1:]
             self._start(job, slot)
+            for s, sib in rest:
+                if job.seq is None:  # the first could not start: neither can its siblings
+                    sib.finished = True
+                    if job.error is not None and not sib.cancelled:
+                        sib.emit(("error", job.error))
+                elif not sib.cancelled:
+                    self._start(sib, s, fork_of=job.seq)
         for job in self._active():
             if job.cancelled:
                 self._finish(job, "shutdown" if job.aborted else "cancelled", "none", "")
@@ -300,20 +328,23 @@ class EngineWorker:
         except Exception as e:  # the caller's to handle; the engine thread goes on
             future.set_exception(e)
 
-    def _start(self, job: Job, slot: int) -> None:
-        cached = self.cache.take(slot, job.prompt, job.cache_prompt)
+    def _start(self, job: Job, slot: int, fork_of: Sequence | None = None) -> None:
+        cached = self.cache.take(slot, job.prompt, job.cache_prompt and fork_of is None)
         try:
-            seq = self.engine.add(job.prompt, job.max_new_tokens, job.params, job.spec, cached=cached)
+            seq = self.engine.add(job.prompt, job.max_new_tokens, job.params, job.spec, cached=cached,
+                                  logprobs=job.logprobs, fork_of=fork_of)
         except LimitError as e:  # raised before the entry is touched: the slot keeps it
             self.cache.put(slot, cached)
             job.finished = True
-            job.emit(("error", ApiError(400, str(e))))
+            job.error = ApiError(400, str(e))
+            job.emit(("error", job.error))
             return
         except Exception as e:
             log.exception("could not start a request", id=job.id)
             self.cache.put(slot, cached)
             job.finished = True
-            job.emit(("error", ApiError(500, f"could not start the request: {type(e).__name__}: {e}")))
+            job.error = ApiError(500, f"could not start the request: {type(e).__name__}: {e}")
+            job.emit(("error", job.error))
             return
         job.seq, job.slot, job.t_start = seq, slot, time.perf_counter()
         job.pipeline = TextPipeline(self.tokenizer, job.stops, self.engine.eog)
@@ -325,6 +356,7 @@ class EngineWorker:
             job.t_first = time.perf_counter()
         pipe, seq = job.pipeline, job.seq
         out = []
+        first = job.n_generated
         for token in tokens:
             job.n_generated += 1
             out.append(pipe.push(token))
@@ -333,8 +365,9 @@ class EngineWorker:
         if pipe.stop_word is None and seq.finish_reason is not None:
             out.append(pipe.finish())
         text = "".join(out)
-        if text and not job.cancelled:
-            job.emit(("text", text))
+        logprobs = seq.logprobs[first : job.n_generated] if job.logprobs is not None else None
+        if (text or logprobs) and not job.cancelled:
+            job.emit(("text", text, logprobs))
         if pipe.stop_word is not None:
             self._finish(job, "stop", "word", pipe.stop_word)
         elif seq.finish_reason is not None:
