@@ -183,3 +183,23 @@ def test_a_fork_outlives_its_parent(pair):
         engine.step()
     _, (cold,) = run(pair.target, [prompt], 4, SamplingParams(), logprobs=None, n_ctx=1024)
     assert second.tokens == cold.tokens and second.n_reused == 0
+
+
+def test_no_fork_for_a_hidden_state_speculator():
+    """A speculator on hidden states gets the prompt's in `prefill`: each sequence prefills itself."""
+
+    class Tap:
+        spec_type = "tap"
+        hidden_layers = (0,)
+
+        @hookimpl
+        def propose(self, seq, limits):
+            return None
+
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256), [Tap()])
+    first = engine.add([1, 2, 3, 4], 4)
+    second = engine.add([1, 2, 3, 4], 4, fork_of=first)
+    assert second.parent is None and first.forks == []
+    while engine.active():
+        engine.step()
+    assert second.n_reused == 0 and second.tokens == first.tokens

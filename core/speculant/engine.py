@@ -279,7 +279,10 @@ class Engine:
         return seq
 
     def _can_fork(self, parent: Sequence, prompt: list[int]) -> bool:
-        return (not self.recurrent and hasattr(self.context, "get_state") and hasattr(self.context, "set_state")
+        # A speculator on hidden states (EAGLE3) gets the prompt's through `prefill`: a copy of the
+        # rows would leave it without them, so such a chain prefills each sequence itself.
+        return (not self.recurrent and not self.chain.hidden_layers
+                and hasattr(self.context, "get_state") and hasattr(self.context, "set_state")
                 and self.sequences.get(parent.seq_id) is parent and parent.n_prompt == len(prompt)
                 and parent.tokens[: len(prompt)] == list(prompt))
 
