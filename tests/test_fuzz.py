@@ -10,8 +10,9 @@
    deleted and added keys, nested arrays) and flips header bytes: loading gives a model that
    generates, or one ModelFileError line naming the file; never another exception.
 3. Speculator fault injection under concurrent load: speculators that raise, return wrong types,
-   raise BaseException or take longer than the deadline for some requests, while others run
-   beside them on the same slots: every request succeeds with the text it has alone.
+   raise BaseException, take longer than the deadline or never return (blocked, or spinning in
+   Python) for some requests, while others run beside them on the same slots: every request
+   succeeds with the text it has alone.
 """
 from __future__ import annotations
 
@@ -440,6 +441,7 @@ class Faulty:
 
     def __init__(self, mode: str, tokenizer):
         self.mode, self.spec_type = mode, "test-boom"
+        self.release = threading.Event()  # set at the end of the test: a hung call then returns
         self.marker = tuple(tokenizer.encode(" " + POISON, add_special=False))
         self.lookup = Lookup("test-boom")
 
@@ -465,6 +467,13 @@ class Faulty:
 
             time.sleep(0.3)  # past the 0.1 s deadline
             return Draft((1,), self.spec_type)
+        if self.mode == "hang":  # blocked, as in time.sleep(10**9)
+            self.release.wait()
+            return Draft((1,), self.spec_type)
+        if self.mode == "spin":  # a Python loop holding the GIL, as in `while True: pass`
+            while not self.release.is_set():
+                pass
+            return Draft((1,), self.spec_type)
         raise AssertionError(self.mode)
 
     @hookimpl
@@ -478,7 +487,7 @@ class FaultyBatch(Faulty):
         return [self._answer(r.seq, r.limits) for r in requests]
 
 
-FAULTS = ["raise", "wrong type", "BaseException", "out of range", "bad probs", "slow"]
+FAULTS = ["raise", "wrong type", "BaseException", "out of range", "bad probs", "slow", "hang", "spin"]
 
 
 def load_requests(seed: int) -> list[tuple[str, dict]]:
@@ -513,7 +522,7 @@ def plain_texts(tmp_path_factory):
 
 def drafts(server: LiveServer) -> float:
     metrics = server.request("GET", "/metrics")[2].decode()
-    return float(next(l for l in metrics.splitlines() if l.startswith("speculant:spec_decode_num_drafts_total")).split()[1])
+    return sum(float(l.split()[1]) for l in metrics.splitlines() if l.startswith("speculant:spec_decode_num_drafts_total"))
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["propose", "propose_batch"])
@@ -521,7 +530,10 @@ def drafts(server: LiveServer) -> float:
 def test_speculator_faults_under_concurrent_load(tmp_path_factory, plain_texts, mode, batched):
     model = tiny_model(tmp_path_factory.mktemp("fuzz-faults"))
     spec = (FaultyBatch if batched else Faulty)(mode, model.tokenizer)
-    engine = make_engine(model, n_ctx=128, speculators=[spec], adaptive=False, spec_deadline=0.1)
+    # A slow or hung call gets the speculator quarantined (never called again): the second
+    # speculator of the chain drafts on. The grace (first calls) is short, for the hung ones.
+    engine = make_engine(model, n_ctx=128, speculators=[spec, Lookup("test-lookup")], adaptive=False,
+                         spec_deadline=0.1, spec_grace=0.5)
     server = LiveServer(engine, n_slots=4)
     seed = int(batched)
     reqs = load_requests(seed)
@@ -538,5 +550,7 @@ def test_speculator_faults_under_concurrent_load(tmp_path_factory, plain_texts, 
         before = drafts(server)
         assert [text_of(p, *server.post(p, b)) for p, b in reqs[:8]] == plain_texts[seed][:8]
         assert drafts(server) > before
+        assert ("test-boom" in engine.chain.quarantined) == (mode in ("slow", "hang", "spin"))
     finally:
+        spec.release.set()
         server.close()

@@ -177,87 +177,184 @@ def test_keyboard_interrupt_is_not_swallowed():
         engine.step()
 
 
-# --- a per-call deadline: a slow speculator costs its own sequences their speculation, once ----------------
-class Sluggish:
-    """Takes `seconds` in `where` (sleeping, or spinning with the GIL held) for the bad prompt's
-    sequence; drafts token 0 otherwise. Counts its calls per first prompt token."""
+# --- a per-call deadline: a speculator that hangs is abandoned and quarantined; the engine goes on ---------
+# Each speculator's calls run on a thread of its own; the engine waits at most the deadline (the
+# grace where a speculator may catch up on a prompt), then abandons the call and never calls that
+# speculator again. Every run below is bounded by a thread join, so that on an engine without the
+# watchdog the test fails instead of hanging the suite.
+DEADLINE, GRACE = 0.2, 0.5
 
-    spec_type = "sluggish"
 
-    def __init__(self, where, seconds=0.3, spin=False):
-        self.where, self.seconds, self.spin = where, seconds, spin
-        self.calls = {}
+def within(seconds, fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a daemon thread; its result and seconds, or a failure if it has not
+    returned in `seconds`."""
+    import threading
 
-    def _wait(self, name, tokens):
-        if name != self.where:
-            return
-        self.calls[tokens[0]] = self.calls.get(tokens[0], 0) + 1
-        if tokens[0] == BAD_PROMPT[0]:
-            end = time.perf_counter() + self.seconds
-            while time.perf_counter() < end:
-                if not self.spin:
-                    time.sleep(self.seconds / 10)
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.perf_counter()
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: the engine thread is held by a speculator"
+    if "error" in out:
+        raise out["error"]
+    return out["value"], time.perf_counter() - t0
+
+
+class Hanger:
+    """Hangs in hook `where` for the bad prompt's sequence: blocked (as in time.sleep(10**9): a C
+    call, GIL released) or spinning in Python (`while True: pass`, GIL held), until the test sets
+    `release` at its end. Drafts token 0 otherwise. Counts its calls by hook."""
+
+    spec_type = "hanger"
+
+    def __init__(self, where, spin=False):
+        import threading
+
+        self.where, self.spin = where, spin
+        self.release = threading.Event()
+        self.calls: dict[str, int] = {}
+        self.threads: set = set()
+
+    def _maybe(self, name, tokens):
+        import threading
+
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.threads.add(threading.current_thread())
+        if name == self.where and tokens[0] == BAD_PROMPT[0]:
+            if self.spin:
+                while not self.release.is_set():
+                    pass
+            else:
+                self.release.wait()
+
+    @hookimpl
+    def begin(self, seq):
+        self._maybe("begin", seq.tokens)
 
     @hookimpl
     def propose(self, seq, limits):
-        self._wait("propose", seq.tokens)
+        self._maybe("propose", seq.tokens)
         return Draft((0,), self.spec_type)
 
     @hookimpl
     def accept(self, seq, draft, n_accepted, hidden):
-        self._wait("accept", seq.tokens)
+        self._maybe("accept", seq.tokens)
+
+    @hookimpl
+    def truncate(self, seq, n):
+        self._maybe("truncate", seq.tokens)
+
+    @hookimpl
+    def end(self, seq_id):
+        self._maybe("end", (0,))
 
 
-class SluggishBatch(Sluggish):
+class HangerBatch(Hanger):
     @hookimpl
     def propose_batch(self, requests):
         bad = any(r.seq.tokens[0] == BAD_PROMPT[0] for r in requests)
-        self._wait("propose_batch", BAD_PROMPT if bad else requests[0].seq.tokens)
+        self._maybe("propose_batch", BAD_PROMPT if bad else requests[0].seq.tokens)
         return [Draft((0,), self.spec_type) for _ in requests]
 
 
-@pytest.mark.parametrize("spin", [False, True], ids=["sleeping", "spinning"])
-@pytest.mark.parametrize("where", ["propose", "accept"])
-def test_a_call_past_the_deadline_costs_its_sequence_only(where, spin):
-    spec = Sluggish(where, spin=spin)
-    t0 = time.perf_counter()
-    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=0.1)
+class Other:
+    """A second speculator of the chain: drafts token 0 for every sequence, counting them."""
+
+    spec_type = "other"
+
+    def __init__(self):
+        self.drafted: dict[int, int] = {}
+
+    @hookimpl
+    def propose(self, seq, limits):
+        self.drafted[seq.tokens[0]] = self.drafted.get(seq.tokens[0], 0) + 1
+        return Draft((0,), self.spec_type)
+
+
+def decode_all(engine, *seqs):
+    outs = {s.seq_id: [] for s in seqs}
+    while engine.active():
+        for sid, toks in engine.step().items():
+            outs.setdefault(sid, []).extend(toks)
+    return [outs[s.seq_id] for s in seqs]
+
+
+@pytest.mark.parametrize("spin", [False, True], ids=["blocked", "spinning"])
+@pytest.mark.parametrize("where", ["propose", "propose_batch", "accept", "begin"])
+def test_a_hung_speculator_is_quarantined_and_the_engine_goes_on(where, spin):
+    spec = HangerBatch(where, spin) if where == "propose_batch" else Hanger(where, spin)
+    other = Other()
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, adaptive=False, spec_deadline=DEADLINE, spec_grace=GRACE),
+                    [spec, other])
+    try:
+        def run():
+            bad, good = engine.add(BAD_PROMPT, 30), engine.add(PROMPT, 30)
+            return bad, good, *decode_all(engine, bad, good)
+
+        (bad, good, out_bad, out_good), seconds = within(10, run)
+        assert out_bad == plain(BAD_PROMPT) and out_good == plain()
+        assert seconds < 5
+        assert list(engine.chain.quarantined) == ["hanger"]
+        assert "did not return within" in str(engine.chain.quarantined["hanger"])
+        assert bad.spec_error is None and good.spec_error is None  # a hang is not the sequence's error
+        # the rest of the chain drafts for the bad prompt's sequence
+        assert other.drafted.get(BAD_PROMPT[0], 0) > 1 and engine.spec_stats["other"].drafts > 1
+        calls = dict(spec.calls)
+        # a later request completes too, without calling the quarantined speculator
+        (out_again,), _ = within(10, lambda: decode_all(engine, engine.add(BAD_PROMPT, 30)))
+        assert out_again == plain(BAD_PROMPT) and spec.calls == calls
+        assert all(t is not __import__("threading").main_thread() for t in spec.threads)
+        if spin:  # the abandoned thread was stopped: it does not keep the GIL from the engine
+            thread = next(iter(spec.threads))
+            thread.join(2)
+            assert not thread.is_alive()
+    finally:
+        spec.release.set()
+    # the stuck call returned; the speculator stays quarantined for the engine's life
+    time.sleep(0.1)
+    (out_again,), _ = within(10, lambda: decode_all(engine, engine.add(BAD_PROMPT, 30)))
+    assert out_again == plain(BAD_PROMPT) and spec.calls == calls and "hanger" in engine.chain.quarantined
+
+
+class Sluggish:
+    """Takes `seconds` in propose (sleeping) for the bad prompt's sequence; drafts token 0
+    otherwise. Counts its calls per first prompt token."""
+
+    spec_type = "sluggish"
+
+    def __init__(self, seconds=0.3, slow_calls=None):
+        self.seconds, self.slow_calls = seconds, slow_calls
+        self.calls = {}
+
+    @hookimpl
+    def propose(self, seq, limits):
+        n = self.calls[seq.tokens[0]] = self.calls.get(seq.tokens[0], 0) + 1
+        if seq.tokens[0] == BAD_PROMPT[0] and (self.slow_calls is None or n in self.slow_calls):
+            time.sleep(self.seconds)
+        return Draft((0,), self.spec_type)
+
+
+def test_a_late_call_quarantines_the_speculator_and_its_answer_is_dropped():
+    spec = Sluggish(0.3)
+    (bad, good, out_bad, out_good), seconds = within(10, run_pair, [spec], spec_deadline=0.1, spec_grace=1.0)
     assert out_bad == plain(BAD_PROMPT) and out_good == plain()
-    assert bad.spec_error and "SpeculatorTimeout" in bad.spec_error and "deadline" in bad.spec_error
-    assert good.spec_error is None and good.stats.n_drafts > 0
-    # never asked again once late: a propose call's first for a sequence is not held to the
-    # deadline (it may feed the prompt), so it slowed the engine twice; accept once
-    assert spec.calls[BAD_PROMPT[0]] == (2 if where == "propose" else 1)
-    assert time.perf_counter() - t0 < 6 * spec.seconds
-
-
-def test_a_batched_call_past_the_deadline_costs_its_call():
-    spec = SluggishBatch("propose_batch")
-    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=0.1)
-    assert out_bad == plain(BAD_PROMPT) and out_good == plain()
-    assert "SpeculatorTimeout" in bad.spec_error and "SpeculatorTimeout" in good.spec_error
-
-
-def test_a_late_draft_is_dropped_not_verified():
-    spec = Sluggish("propose")
-    bad, _, _, _ = run_pair([spec], spec_deadline=0.1)
-    assert bad.stats.n_drafts == 1  # the first call's draft; the second came late
-
-
-class SlowStart(Sluggish):
-    """Slow at its first propose for the bad prompt's sequence only, as a draft model that feeds
-    the prompt there; fast afterwards."""
-
-    def _wait(self, name, tokens):
-        if self.calls.get(tokens[0], 0) == 0:
-            super()._wait(name, tokens)
-        else:
-            self.calls[tokens[0]] += 1
+    # the first call for a sequence may catch up on its prompt (grace): its draft is verified;
+    # the second is past the deadline: abandoned, its draft never verified, never asked again
+    assert spec.calls[BAD_PROMPT[0]] == 2 and bad.stats.n_drafts == 1
+    assert bad.spec_error is None and seconds < 3
 
 
 def test_the_first_call_for_a_sequence_may_catch_up_on_its_prompt():
-    spec = SlowStart("propose")
-    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=0.1)
+    spec = Sluggish(0.3, slow_calls={1})
+    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=0.1, spec_grace=1.0)
     assert out_bad == plain(BAD_PROMPT) and out_good == plain()
     assert bad.spec_error is None and bad.stats.n_drafts > 1
 
@@ -266,22 +363,64 @@ def test_truncate_starts_the_catch_up_again():
     from speculant.chain import SpeculatorChain
     from speculant.types import DraftLimits, SequenceView
 
-    spec = Sluggish("propose", seconds=0.2)
-    chain = SpeculatorChain([spec], deadline=0.1)
+    spec = Sluggish(0.2)
+    chain = SpeculatorChain([spec], deadline=0.1, grace=1.0)
     seq = SequenceView(7, tuple(BAD_PROMPT), len(BAD_PROMPT), 0.0)
     chain.begin(seq)
-    assert chain.propose(seq, DraftLimits(4)) is not None  # the first: not timed
+    assert chain.propose(seq, DraftLimits(4)) is not None  # the first: the grace
     chain.truncate(seq, 3)
     assert chain.propose(seq, DraftLimits(4)) is not None  # the first since the truncate
-    with pytest.raises(Exception, match="deadline"):
-        chain.propose(seq, DraftLimits(4))
+    assert chain.propose(seq, DraftLimits(4)) is None and "sluggish" in chain.quarantined  # held to the deadline
+    assert chain.propose(seq, DraftLimits(4)) is None and spec.calls[BAD_PROMPT[0]] == 3
 
 
-def test_no_deadline_keeps_a_slow_speculator():
-    spec = Sluggish("propose", seconds=0.02)
-    bad, good, out_bad, out_good = run_pair([spec], spec_deadline=None)
+def test_no_deadline_runs_speculators_inline_and_keeps_a_slow_one():
+    import threading
+
+    spec = Sluggish(0.02)
+    seen = []
+
+    class Where:
+        spec_type = "where"
+
+        @hookimpl
+        def accept(self, seq):
+            seen.append(threading.current_thread())
+
+    bad, good, out_bad, out_good = run_pair([spec, Where()], spec_deadline=None)
     assert bad.spec_error is None and bad.stats.n_drafts > 0 and out_bad == plain(BAD_PROMPT)
     assert spec.calls[BAD_PROMPT[0]] > 1
+    assert seen and all(t is threading.main_thread() for t in seen)
+
+
+def test_exceptions_cross_the_thread_with_their_type():
+    """A speculator's exception, raised on its thread, reaches the engine's handling as it was."""
+    import threading
+
+    class Bad:
+        spec_type = "bad"
+
+        @hookimpl
+        def propose(self, seq, limits):
+            raise LookupError(f"from {threading.current_thread().name}")
+
+    bad, good, _, _ = run_pair([Bad()], spec_deadline=1.0)
+    assert bad.spec_error.startswith("LookupError: from speculator 0:bad")
+
+
+def test_a_dropped_chain_ends_its_threads():
+    import gc
+    import threading
+
+    before = set(threading.enumerate())
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, spec_deadline=1.0), [Other(), Other()])
+    mine = [t for t in threading.enumerate() if t not in before and t.name.startswith("speculator ")]
+    assert len(mine) == 2
+    del engine
+    gc.collect()
+    for t in mine:
+        t.join(2)
+        assert not t.is_alive()
 
 
 def test_spec_deadline_flag():
@@ -295,6 +434,10 @@ def test_spec_deadline_flag():
     assert engine_setup(p.parse_args(["-m", "x"]), None)[0].spec_deadline == 5.0
     assert engine_setup(p.parse_args(["-m", "x", "--spec-deadline", "0.5"]), None)[0].spec_deadline == 0.5
     assert engine_setup(p.parse_args(["-m", "x", "--spec-deadline", "0"]), None)[0].spec_deadline is None
+    assert engine_setup(p.parse_args(["-m", "x"]), None)[0].spec_grace is None  # max(60 s, 10 x the deadline)
+    assert engine_setup(p.parse_args(["-m", "x", "--spec-grace", "120"]), None)[0].spec_grace == 120.0
+    with pytest.raises(SystemExit):
+        p.parse_args(["-m", "x", "--spec-grace", "0"])
     with pytest.raises(SystemExit):
         p.parse_args(["-m", "x", "--spec-deadline", "-1"])
 
@@ -348,6 +491,71 @@ async def test_dead_engine_thread_refuses_work_and_fails_in_flight_requests(mode
         assert_error(status, body, 503, "engine thread")
         status, body = await asyncio.wait_for(post(c, "/slots/0?action=erase", {}), 10)
         assert_error(status, body, 503, "engine thread")
+
+
+class HangOnce:
+    """Hangs (blocked) in `where` on its first call there, for whatever sequence; drafts garbage
+    otherwise (rejected drafts: real verification work, same output)."""
+
+    spec_type = "test-slow"
+
+    def __init__(self, where):
+        import threading
+
+        self.where, self.release, self.hung = where, threading.Event(), False
+
+    def _maybe(self, name):
+        if name == self.where and not self.hung:
+            self.hung = True
+            self.release.wait()
+
+    @hookimpl
+    def begin(self, seq):
+        self._maybe("begin")
+
+    @hookimpl
+    def propose(self, seq, limits):
+        self._maybe("propose")
+        return Draft((0,) * min(2, limits.n_max), self.spec_type)
+
+    @hookimpl
+    def accept(self, seq):
+        self._maybe("accept")
+
+
+@pytest.mark.parametrize("where", ["begin", "propose", "accept"])
+@aiotest
+async def test_server_requests_complete_past_a_hung_speculator(model, where):
+    """Concurrent requests on 4 slots with a speculator that hangs: all complete with the text each
+    has alone, /health stays 200 throughout, the next requests complete too."""
+    from test_server_util import Lookup
+
+    bodies = [{"messages": [{"role": "user", "content": f"request {i}: count to {i + 3}"}], "max_tokens": 12,
+               "temperature": 0, "stream": i % 2 == 1} for i in range(6)]
+
+    async def texts(c, bodies):
+        answers = await asyncio.gather(*[post(c, "/v1/chat/completions", {**b, "stream": False}) for b in bodies])
+        assert all(status == 200 for status, _ in answers), answers
+        return [body["choices"][0]["message"]["content"] for _, body in answers]
+
+    async with serve(make_engine(model), n_slots=1) as c:
+        want = [(await texts(c, [b]))[0] for b in bodies]
+    spec = HangOnce(where)
+    engine = make_engine(model, speculators=[spec, Lookup()], adaptive=False, spec_deadline=DEADLINE, spec_grace=GRACE)
+    async with serve(engine, n_slots=4) as c:
+        try:  # (released before the server shuts down, which waits for the engine thread)
+            load = asyncio.ensure_future(asyncio.wait_for(texts(c, bodies), 20))
+            while not load.done():
+                r = await asyncio.wait_for(c.get("/health"), 5)
+                assert r.status == 200, await r.text()
+                await asyncio.sleep(0.05)
+            assert await load == want
+            assert spec.hung and list(engine.chain.quarantined) == ["test-slow"]
+            assert await asyncio.wait_for(texts(c, bodies[:3]), 20) == want[:3]
+            assert engine.spec_stats["test-lookup"].drafts > 0  # the rest of the chain drafts on
+            assert (await c.get("/health")).status == 200
+        finally:
+            spec.release.set()
 
 
 SURROGATE_BODIES = [

@@ -10,11 +10,21 @@ the ``propose_batch`` hook gets all of them in one call (a draft model batches i
 across sequences); one with only ``propose`` is asked per sequence. Per sequence this is
 ``propose``'s firstresult rule: the first speculator that returns a draft (not None) wins, and
 an empty draft counts as no draft for the step (it still ends the search for that sequence).
+
+With a deadline (the engine's ``spec_deadline``), each speculator's hook calls run on a thread of
+its own, one call at a time, and the engine thread waits for each at most the deadline (a longer
+grace for the calls where a speculator may catch up on a prompt). A call that does not return in
+time is abandoned and its speculator quarantined: never called again, for the life of the chain,
+since its stuck thread may still change its state. See SpeculatorChain.
 """
 from __future__ import annotations
 
+import _thread
+import ctypes
 import operator
+import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -51,10 +61,102 @@ class SpeculatorFault(Exception):
 
 
 class SpeculatorTimeout(Exception):
-    """A speculator's propose call took longer than the chain's per-call deadline: its answer is
-    dropped and the sequences of the call lose speculation, so that a slow plugin slows the engine
-    once, not at every step. (A call cannot be pre-empted: one that never returns still holds the
-    engine thread; see SpeculatorChain.deadline.)"""
+    """A speculator's hook call did not return within its deadline (or grace): the call was
+    abandoned and the speculator quarantined (SpeculatorChain.quarantined holds one per
+    quarantined spec type)."""
+
+
+class _Abandoned(BaseException):
+    """Raised asynchronously in a quarantined speculator's thread, to stop a call stuck in Python
+    code (a loop) from holding the GIL against the engine thread. A BaseException, so that the
+    speculator's ``except Exception`` does not catch it."""
+
+
+class _Mailbox:
+    """The hand-off between the engine thread and one speculator's thread: the engine puts a job
+    (a list of calls) and releases `go`; the thread runs the calls, noting in `progress` which one
+    it is in and since when, puts the results and releases `done`. Two bare locks, the cheapest
+    wait with a timeout (about 5 us a round trip on an idle core, concurrent.futures twice that);
+    one job per speculator and phase of a step, not one per sequence, since on a loaded machine a
+    hand-off costs a wake-up of the other thread. Holds nothing of the chain, so that a dropped
+    chain's threads can be told to end."""
+
+    __slots__ = ("go", "done", "job", "result", "progress", "abandoned", "thread")
+
+    def __init__(self, name: str):
+        self.go, self.done = _thread.allocate_lock(), _thread.allocate_lock()
+        self.go.acquire()
+        self.done.acquire()
+        self.job: list[tuple[Callable[[dict], Any], dict]] | None = None
+        self.result: list[tuple[bool, Any, float]] | None = None
+        self.progress: tuple[int, float] = (0, 0.0)  # (index of the call running, perf_counter at its start)
+        self.abandoned = False
+        self.thread = threading.Thread(target=_serve, args=(self,), name=f"speculator {name}", daemon=True)
+        self.thread.start()
+
+
+def _run_calls(box: _Mailbox | None, calls: list[tuple[Callable[[dict], Any], dict]]) -> list[tuple[bool, Any, float]]:
+    """Run hook calls in order: per call (returned, its value or what it raised, seconds). A
+    KeyboardInterrupt (or _Abandoned) ends the run: the caller raises it."""
+    out = []
+    for k, (fn, kwargs) in enumerate(calls):
+        t = time.perf_counter()
+        if box is not None:
+            box.progress = (k, t)
+        try:
+            out.append((True, fn(kwargs), time.perf_counter() - t))
+        except BaseException as e:  # handed to the engine thread, which decides (_fault)
+            out.append((False, e, time.perf_counter() - t))
+            if isinstance(e, (KeyboardInterrupt, _Abandoned)):
+                break
+    return out
+
+
+def _serve(box: _Mailbox) -> None:
+    """A speculator's thread: its jobs, one at a time, until told to stop or abandoned."""
+    try:
+        while True:
+            box.go.acquire()
+            job, box.job = box.job, None
+            if job is None or box.abandoned:
+                return
+            box.result = _run_calls(box, job)
+            del job
+            if box.abandoned:  # a job that returned after its deadline: its speculator is gone
+                box.result = None
+                return
+            box.done.release()
+    except BaseException:  # _Abandoned outside a call; nothing is waiting for this thread
+        return
+
+
+def _stop(boxes: list[_Mailbox]) -> None:
+    """End the threads of a chain that is gone (those idle; an abandoned one ends on its own)."""
+    for box in boxes:
+        box.job = None
+        try:
+            box.go.release()
+        except RuntimeError:  # not waiting (busy)
+            pass
+
+
+def _interrupt(thread: threading.Thread) -> None:
+    """Raise _Abandoned in `thread` at its next Python instruction (CPython; elsewhere a no-op). A
+    thread blocked in a C call (sleep, a lock, I/O, a native kernel) sees it only when that returns."""
+    if not thread.is_alive() or thread.ident is None:  # it returned meanwhile (its ident may be reused)
+        return
+    try:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned))
+    except (AttributeError, TypeError):
+        pass
+
+
+_HUNG = object()  # what _run returns for an abandoned call
+
+# Hooks that run where a speculator may catch up on a whole prompt: held to the grace, not the deadline.
+_GRACE_HOOKS = frozenset({"begin", "truncate", "prefill"})
+# Hooks whose first call for a sequence since its begin or truncate gets the grace too.
+_FIRST_HOOKS = frozenset({"propose", "propose_batch", "accept"})
 
 
 def _fault(e: BaseException) -> Exception:
@@ -98,67 +200,188 @@ def _trim(draft: Draft, n_max: int) -> Draft:
     return Draft(draft.tokens[:n_max], draft.spec_type, None if draft.probs is None else draft.probs[:n_max])
 
 
-class SpeculatorChain:
-    """``deadline``: seconds a propose (or propose_batch) call may take (None: no limit). A call
-    over it is measured, not interrupted: its draft is dropped and SpeculatorTimeout is the error
-    of each of its sequences. A speculator's first call for a sequence after `begin` or `truncate`
-    is not held to it: it may catch up on the prompt there (a draft model feeds it lazily)."""
+@attrs.define(eq=False)
+class _Slot:
+    """One speculator of the chain: its hooks as callers of a kwargs dict, its thread's mailbox
+    (None: its calls run inline, on the caller's thread) and whether it is quarantined."""
 
-    def __init__(self, speculators: list[Any], deadline: float | None = None):
+    index: int
+    name: str
+    spec: Any
+    hooks: dict[str, Callable[[dict], Any]]
+    box: _Mailbox | None = None
+    quarantined: bool = False
+
+
+def _caller(pm: pluggy.PluginManager, name: str, spec: Any, others: list[Any]) -> Callable[[dict], Any] | None:
+    """A speculator's implementation of hook `name` as a function of the hook's kwargs (None when
+    it has none): the method itself, with the arguments it takes (pluggy's dispatch, without its
+    cost), or through pluggy for the odd wrapper."""
+    impls = [h for h in getattr(pm.hook, name).get_hookimpls() if h.plugin is spec]
+    if not impls:
+        return None
+    impl = impls[0]
+    if len(impls) > 1 or impl.hookwrapper or getattr(impl, "wrapper", False):
+        subset = pm.subset_hook_caller(name, others)
+        return lambda kwargs: subset(**kwargs)
+    fn, argnames = impl.function, tuple(impl.argnames)
+    return lambda kwargs: fn(*[kwargs[a] for a in argnames])
+
+
+class SpeculatorChain:
+    """``deadline``: seconds a speculator's hook call may take (None: no limit, calls run inline
+    on the caller's thread). With one, each speculator's calls run on a thread of its own (one
+    per speculator: its calls stay sequential, its state is touched by one thread at a time) and
+    the caller waits at most the deadline for each. ``grace`` (default max(60 s, 10 x deadline))
+    replaces the deadline for ``begin``, ``truncate`` and ``prefill``, and for a speculator's first
+    ``propose``/``propose_batch`` and first ``accept`` for a sequence since its begin or truncate:
+    there a speculator may catch up on the prompt (a draft model feeds it lazily; EAGLE3 takes the
+    prompt's hidden states).
+
+    A call that does not return in time is abandoned: the speculator is quarantined (no hook of it
+    is called again, for the life of the chain, even if the stuck call returns later, since its
+    thread may still be changing its state), one warning is logged, and its sequences go on
+    with the rest of the chain (with plain decoding when none is left). Its thread gets
+    _Abandoned raised in it, which stops a call stuck in Python code; one blocked in a C call
+    stays blocked. An exception from a hook is the caller's to handle, as without a deadline."""
+
+    def __init__(self, speculators: list[Any], deadline: float | None = None, grace: float | None = None):
         self.speculators = list(speculators)
         self.deadline = deadline
-        self._asked: dict[int, set[str]] = {}  # seq_id -> speculators asked since its begin or truncate
+        self.grace = None if deadline is None else (grace if grace is not None else max(60.0, 10 * deadline))
+        self.quarantined: dict[str, SpeculatorTimeout] = {}  # spec type -> why
+        # seq_id -> (speculator index, hook) called for it since its begin or truncate
+        self._asked: dict[int, set[tuple[int, str]]] = {}
         self.pm = pluggy.PluginManager("speculant")
         self.pm.add_hookspecs(hookspecs.SpeculatorSpec)
         for i, spec in reversed(list(enumerate(self.speculators))):
             self.pm.register(spec, name=f"{i}:{getattr(spec, 'spec_type', type(spec).__name__)}")
         self.pm.check_pending()
         self.hook = self.pm.hook
-        # Hidden states any speculator asked for (MTP, EAGLE3, DFlash), requested from the target.
-        self.hidden_layers = tuple(sorted({l for s in self.speculators for l in getattr(s, "hidden_layers", ())}))
         self.hook_seconds = 0.0  # time spent inside hook dispatch and speculators, for the overhead check
-        # Per speculator, in chain order: (spec type, caller of its propose_batch or None, of its propose or None).
-        batched = {id(h.plugin) for h in self.hook.propose_batch.get_hookimpls()}
-        single = {id(h.plugin) for h in self.hook.propose.get_hookimpls()}
-        self._proposers: list[tuple[str, Any, Any]] = []
-        for spec in self.speculators:
-            others = [s for s in self.speculators if s is not spec]
+        hooks = ("begin", "propose", "propose_batch", "accept", "prefill", "truncate", "checkpoint", "end")
+        self._slots: list[_Slot] = []
+        for i, spec in enumerate(self.speculators):
             name = getattr(spec, "spec_type", type(spec).__name__)
-            if id(spec) in batched:
-                self._proposers.append((name, self.pm.subset_hook_caller("propose_batch", others), None))
-            elif id(spec) in single:
-                self._proposers.append((name, None, self.pm.subset_hook_caller("propose", others)))
+            others = [s for s in self.speculators if s is not spec]
+            callers = {h: c for h in hooks if (c := _caller(self.pm, h, spec, others)) is not None}
+            self._slots.append(_Slot(i, name, spec, callers, _Mailbox(f"{i}:{name}") if deadline is not None else None))
+        boxes = [s.box for s in self._slots if s.box is not None]
+        if boxes:
+            weakref.finalize(self, _stop, boxes)
+        self._hidden()
+
+    def _hidden(self) -> None:
+        # Hidden states the speculators (not quarantined) ask for (MTP, EAGLE3, DFlash), requested from the target.
+        self.hidden_layers = tuple(sorted({l for s in self._slots if not s.quarantined
+                                           for l in getattr(s.spec, "hidden_layers", ())}))
 
     def __bool__(self) -> bool:
         return bool(self.speculators)
 
-    def _call(self, name: str, **kwargs):
-        t = time.perf_counter()
+    def _limit(self, slot: _Slot, hook: str, seq_ids: Sequence[int]) -> float:
+        """The seconds a call may take: the grace where it may catch up on a prompt, else the deadline."""
+        if hook in _GRACE_HOOKS:
+            return self.grace
+        limit = self.deadline
+        if hook in _FIRST_HOOKS:
+            for seq_id in seq_ids:
+                asked = self._asked.setdefault(seq_id, set())
+                if (slot.index, hook) not in asked:
+                    asked.add((slot.index, hook))
+                    limit = self.grace
+        return limit
+
+    def _run(self, slot: _Slot, hook: str, calls: list[tuple[dict, Sequence[int]]]):
+        """Calls of one speculator's hook, each (kwargs, the seq_ids it is for), in one hand-off to
+        its thread: per call (returned, value or exception, seconds), as _run_calls. _HUNG when a
+        call did not return within its limit: the speculator is then quarantined and the job's
+        results are dropped."""
+        fn = slot.hooks[hook]
+        box = slot.box
+        if box is None:
+            return _run_calls(None, [(fn, kwargs) for kwargs, _ in calls])
+        limits = [self._limit(slot, hook, seq_ids) for _, seq_ids in calls]
+        box.job = [(fn, kwargs) for kwargs, _ in calls]
+        box.progress = (0, time.perf_counter())
+        box.go.release()
         try:
-            return getattr(self.hook, name)(**kwargs)
-        except BaseException as e:
-            fault = _fault(e)
-            if fault is e:
-                raise
-            raise fault from e
+            while True:
+                k, started = box.progress
+                remaining = started + limits[k] - time.perf_counter()
+                if remaining <= 0:
+                    self._quarantine(slot, hook, limits[k], calls[k][1])
+                    return _HUNG
+                if box.done.acquire(True, remaining):
+                    break
+        except BaseException:  # KeyboardInterrupt while waiting: the job is abandoned
+            self._quarantine(slot, hook, limits[box.progress[0]], calls[box.progress[0]][1], log_it=False)
+            raise
+        out, box.result = box.result, None
+        return out
+
+    def _quarantine(self, slot: _Slot, hook: str, seconds: float, seq_ids: Sequence[int], log_it: bool = True) -> None:
+        slot.quarantined = True
+        slot.box.abandoned = True
+        self.quarantined[slot.name] = SpeculatorTimeout(
+            f"{slot.name}: {hook} did not return within {seconds:g} s; the speculator is quarantined")
+        self._hidden()
+        if log_it:
+            log.warning("speculator call did not return in time: abandoned, the speculator is quarantined for the "
+                        "engine's life; its sequences go on without it", spec_type=slot.name, call=hook,
+                        seconds=round(seconds, 3), seq_ids=list(seq_ids))
+        _interrupt(slot.box.thread)
+
+    @staticmethod
+    def _error(e: BaseException) -> Exception:
+        """What a speculator raised, as the exception to handle (KeyboardInterrupt is raised)."""
+        fault = _fault(e)
+        if fault is not e:
+            fault.__cause__ = e
+        return fault
+
+    def _call(self, name: str, seq_ids: Sequence[int], **kwargs):
+        """Hook `name` on every speculator implementing it (not quarantined), in chain order. The
+        first exception stops the call and is raised (as pluggy does); `end` still reaches every
+        speculator, then raises the first."""
+        t = time.perf_counter()
+        first: Exception | None = None
+        try:
+            for slot in self._slots:
+                if slot.quarantined or name not in slot.hooks:
+                    continue
+                res = self._run(slot, name, [(kwargs, seq_ids)])
+                if res is _HUNG or res[0][0]:
+                    continue
+                fault = self._error(res[0][1])
+                if name != "end":
+                    raise fault
+                first = first or fault
+            if first is not None:
+                raise first
         finally:
             self.hook_seconds += time.perf_counter() - t
 
     def begin(self, seq: SequenceView) -> None:
         self._asked.pop(seq.seq_id, None)
-        self._call("begin", seq=seq)
+        self._call("begin", (seq.seq_id,), seq=seq)
 
     def propose_batch(self, requests: Sequence[DraftRequest], only: Sequence[tuple[str, ...] | None] | None = None,
                       plan: Plan | None = None) -> list[Proposal]:
         """A Proposal per request. ``only[i]``: the spec types that may draft for request i (None:
         all). ``plan``, if given, picks the limits each speculator is asked with, per request
-        (the engine's cost model: a costly draft model is not run when its draft would not pay)."""
+        (the engine's cost model: a costly draft model is not run when its draft would not pay).
+        A speculator quarantined on the way is skipped: the next one is asked for its sequences."""
         t_start = time.perf_counter()
         out = [Proposal() for _ in requests]
         pending = [i for i, r in enumerate(requests) if r.limits.n_max > 0]
-        for name, batch_caller, caller in self._proposers:
+        for slot in self._slots:
             if not pending:
                 break
+            batched = "propose_batch" in slot.hooks
+            if slot.quarantined or not (batched or "propose" in slot.hooks):
+                continue
+            name = slot.name
             asked: list[tuple[int, DraftLimits]] = []
             for i in pending:
                 if only is not None and only[i] is not None and name not in only[i]:
@@ -169,10 +392,16 @@ class SpeculatorChain:
             if not asked:
                 continue
             answered: set[int] = set()
-            if batch_caller is not None:
+            if batched:
                 t = time.perf_counter()
+                seq_ids = [requests[i].seq.seq_id for i, _ in asked]
+                res = self._run(slot, "propose_batch", [({"requests": [DraftRequest(requests[i].seq, lim) for i, lim in asked]}, seq_ids)])
+                if res is _HUNG:  # quarantined: the next speculators are asked for these sequences
+                    continue
                 try:
-                    drafts = batch_caller(requests=[DraftRequest(requests[i].seq, lim) for i, lim in asked])
+                    ok, drafts, _ = res[0]
+                    if not ok:
+                        raise drafts
                     if drafts is not None and not isinstance(drafts, list):
                         raise TypeError(f"{name}: propose_batch returned {type(drafts).__name__}, not a list of drafts")
                     if drafts is not None and len(drafts) != len(asked):
@@ -181,51 +410,28 @@ class SpeculatorChain:
                         drafts = [_checked(name, d) for d in drafts]
                     error = None
                 except BaseException as e:  # every sequence of the call loses speculation; the others go on
-                    drafts, error = None, _fault(e)
-                seconds = time.perf_counter() - t
-                seq_ids = [requests[i].seq.seq_id for i, _ in asked]
-                if error is None and self._timed(name, seq_ids):
-                    error = self.late(f"{name}: propose_batch", seconds, seq_ids)
-                    drafts = None if error is not None else drafts
-                share = seconds / len(asked)
+                    drafts, error = None, self._error(e)
+                share = (time.perf_counter() - t) / len(asked)
                 for j, (i, lim) in enumerate(asked):
                     d = None if drafts is None else drafts[j]
                     answered.update(self._record(out[i], name, share, d, lim, error, i))
-            else:
-                for i, lim in asked:
-                    t = time.perf_counter()
+            else:  # one call per sequence, all in one hand-off
+                res = self._run(slot, "propose", [({"seq": requests[i].seq, "limits": lim}, (requests[i].seq.seq_id,))
+                                                  for i, lim in asked])
+                if res is _HUNG:
+                    continue
+                for (i, lim), (ok, value, seconds) in zip(asked, res):
                     try:
-                        d, error = _checked(name, caller(seq=requests[i].seq, limits=lim)), None
+                        if not ok:
+                            raise value
+                        d, error = _checked(name, value), None
                     except BaseException as e:
-                        d, error = None, _fault(e)
-                    seconds = time.perf_counter() - t
-                    if error is None and self._timed(name, [requests[i].seq.seq_id]):
-                        error = self.late(f"{name}: propose", seconds, [requests[i].seq.seq_id])
-                        d = None if error is not None else d
+                        d, error = None, self._error(e)
                     answered.update(self._record(out[i], name, seconds, d, lim, error, i))
             if answered:
                 pending = [i for i in pending if i not in answered]
         self.hook_seconds += time.perf_counter() - t_start
         return out
-
-    def _timed(self, name: str, seq_ids: list[int]) -> bool:
-        """Whether a call of `name` for these sequences is held to the deadline: not when it is
-        its first for one of them since that sequence's begin or truncate. Notes the call."""
-        timed = True
-        for seq_id in seq_ids:
-            asked = self._asked.setdefault(seq_id, set())
-            timed = timed and name in asked
-            asked.add(name)
-        return timed
-
-    def late(self, what: str, seconds: float, seq_ids: list[int]) -> SpeculatorTimeout | None:
-        """SpeculatorTimeout when a call (`what`: "SPEC_TYPE: propose", ...) that took `seconds`
-        ran past the deadline, logged; None when it did not."""
-        if self.deadline is None or seconds <= self.deadline:
-            return None
-        log.warning("speculator call past its deadline; its sequences go on without speculation", call=what,
-                    seconds=round(seconds, 3), deadline=self.deadline, seq_ids=seq_ids)
-        return SpeculatorTimeout(f"{what} took {seconds:.2f} s, more than the {self.deadline:g} s deadline")
 
     @staticmethod
     def _record(p: Proposal, name: str, seconds: float, draft: Draft | None, limits: DraftLimits,
@@ -249,18 +455,43 @@ class SpeculatorChain:
         return p.draft
 
     def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int = 0) -> None:
-        self._call("accept", seq=seq, draft=draft, n_accepted=n_accepted, hidden=hidden, hidden_start=hidden_start)
+        error = self.accept_many([dict(seq=seq, draft=draft, n_accepted=n_accepted, hidden=hidden, hidden_start=hidden_start)])[0]
+        if error is not None:
+            raise error
+
+    def accept_many(self, calls: list[dict]) -> list[Exception | None]:
+        """``accept`` for several sequences (each a dict of accept's arguments), one hand-off per
+        speculator: per call, None or the exception a speculator raised (the speculators after it
+        in the chain are then not told, as with ``accept``)."""
+        t = time.perf_counter()
+        errors: list[Exception | None] = [None] * len(calls)
+        try:
+            for slot in self._slots:
+                if slot.quarantined or "accept" not in slot.hooks:
+                    continue
+                todo = [i for i, e in enumerate(errors) if e is None]
+                if not todo:
+                    break
+                res = self._run(slot, "accept", [(calls[i], (calls[i]["seq"].seq_id,)) for i in todo])
+                if res is _HUNG:
+                    continue
+                for i, (ok, value, _) in zip(todo, res):
+                    if not ok:
+                        errors[i] = self._error(value)
+        finally:
+            self.hook_seconds += time.perf_counter() - t
+        return errors
 
     def prefill(self, seq: SequenceView, start: int, hidden: dict) -> None:
-        self._call("prefill", seq=seq, start=start, hidden=hidden)
+        self._call("prefill", (seq.seq_id,), seq=seq, start=start, hidden=hidden)
 
     def truncate(self, seq: SequenceView, n: int) -> None:
         self._asked.pop(seq.seq_id, None)
-        self._call("truncate", seq=seq, n=n)
+        self._call("truncate", (seq.seq_id,), seq=seq, n=n)
 
     def checkpoint(self, seq: SequenceView, action: str) -> None:
-        self._call("checkpoint", seq=seq, action=action)
+        self._call("checkpoint", (seq.seq_id,), seq=seq, action=action)
 
     def end(self, seq_id: int) -> None:
         self._asked.pop(seq_id, None)
-        self._call("end", seq_id=seq_id)
+        self._call("end", (seq_id,), seq_id=seq_id)

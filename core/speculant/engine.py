@@ -35,17 +35,22 @@ class EngineConfig:
     draft_n_min: int = 0
     draft_p_min: float = 0.0
     adaptive: bool = True  # trim or skip drafts that would not pay for their verification
-    # Seconds a speculator's per-step call (propose, propose_batch, accept) may take (None: no
-    # limit). A call past it is not interrupted (Python cannot pre-empt it safely) but measured: its
-    # draft is dropped and its sequences go on without speculation (SpeculatorTimeout, logged).
-    # A speculator's first propose for a sequence, where it may catch up on the prompt, is exempt.
+    # Seconds a speculator's hook call may take (None: no limit; its calls then run inline on the
+    # engine thread). With a deadline each speculator's calls run on a thread of its own and the
+    # engine waits at most this long for each: a call that does not return in time is abandoned
+    # and its speculator quarantined for the engine's life (SpeculatorChain; logged), the others
+    # go on. `spec_grace` (None: max(60 s, 10 x the deadline)) replaces it where a speculator may
+    # catch up on a prompt: begin, truncate, prefill, and its first propose and accept for a sequence.
     spec_deadline: float | None = 5.0
+    spec_grace: float | None = None
 
     def __attrs_post_init__(self):
         if self.n_ctx < 2:
             raise LimitError(f"context size {self.n_ctx} is too small")
         if self.spec_deadline is not None and not self.spec_deadline > 0:
             raise LimitError(f"the speculator deadline must be positive, got {self.spec_deadline}")
+        if self.spec_grace is not None and not self.spec_grace > 0:
+            raise LimitError(f"the speculator grace must be positive, got {self.spec_grace}")
 
 
 @attrs.frozen
@@ -218,13 +223,14 @@ class Engine:
         self.model, self.config = model, config
         self.context = model.new_context(config.n_ctx)
         self.recurrent = getattr(self.context, "state_kind", "kv") == "recurrent"
-        self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline)
+        self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline, grace=config.spec_grace)
         self.controller = DraftLengthController(enabled=config.adaptive)
         self.spec_stats: dict[str, SpecTypeStats] = {}
         self.eog = frozenset(getattr(model.tokenizer, "eog_ids", ()) or ())
         self.n_vocab = model.info.n_vocab
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
+        self._accepts: list[tuple[Sequence, dict]] = []  # this step's accept calls, made at its end
 
     # --- sequences ---------------------------------------------------------------------
     def add(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
@@ -396,22 +402,17 @@ class Engine:
         except Exception as e:  # the sequence is gone either way
             seq.spec_error = seq.spec_error or f"{type(e).__name__}: {e}"
 
-    def _spec_call(self, seq: Sequence, hook, *args, timed: bool = False):
+    def _spec_call(self, seq: Sequence, hook, *args):
         """A speculator hook for one sequence. A speculator that raises turns speculation off for
         this sequence only: it goes on with plain decoding, the error is left in seq.spec_error.
-        `timed` (the per-step hooks): so does a call longer than the config's spec_deadline."""
+        (One that hangs past the deadline is quarantined by the chain; the others go on.)"""
         if seq.spec_error is not None:
             return None
-        t = time.perf_counter()
         try:
-            out = hook(*args)
+            return hook(*args)
         except Exception as e:
             seq.spec_error = f"{type(e).__name__}: {e}"
             return None
-        late = self.chain.late(f"the speculators' {hook.__name__}", time.perf_counter() - t, [seq.seq_id]) if timed else None
-        if late is not None:
-            seq.spec_error = f"{type(late).__name__}: {late}"
-        return out
 
     def active(self) -> list[Sequence]:
         return [s for s in self.sequences.values() if s.finish_reason is None]
@@ -467,6 +468,7 @@ class Engine:
         if not plan.prefill and len(plan.batch) == decode_rows:  # the cost model is of verification rows alone
             self.controller.observe_forward(len(plan.batch), seconds)
         new: dict[int, list[int]] = {}
+        self._accepts = []
         hidden_row = sum(len(p.batch) for p in plan.decode)  # the prompt chunks' rows come last
         for p in plan.prefill:
             if out.hidden:
@@ -495,7 +497,19 @@ class Engine:
                 st.add(len(draft), n_accepted)
                 st.verify_seconds += share
                 self.controller.observe_draft(draft.spec_type, len(draft), n_accepted)
+        self._tell_accepts()
         return new
+
+    def _tell_accepts(self) -> None:
+        """The step's accept calls, for all its sequences together: one hand-off to each
+        speculator's thread per step rather than one per sequence (SpeculatorChain.accept_many).
+        A speculator that raises for a sequence turns speculation off for it, as _spec_call."""
+        pending, self._accepts = self._accepts, []
+        if not pending or not self.chain:
+            return
+        for (seq, _), error in zip(pending, self.chain.accept_many([call for _, call in pending])):
+            if error is not None:
+                seq.spec_error = f"{type(error).__name__}: {error}"
 
     def _stats(self, spec_type: str) -> SpecTypeStats:
         return self.spec_stats.setdefault(spec_type, SpecTypeStats())
@@ -577,7 +591,9 @@ class Engine:
             self.context.truncate(seq.seq_id, kept_end)
             seq.n_cached = kept_end
         seq.saved = None
-        self._spec_call(seq, self.chain.accept, seq.view(), draft, n_accepted, hidden, first_row, timed=True)
+        if seq.spec_error is None:  # told with the step's other sequences (_tell_accepts)
+            self._accepts.append((seq, dict(seq=seq.view(), draft=draft, n_accepted=n_accepted, hidden=hidden,
+                                            hidden_start=first_row)))
 
         seq.stats.n_generated = seq.n_generated
         if emitted and emitted[-1] in self.eog:

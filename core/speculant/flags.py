@@ -49,9 +49,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="verify every draft in full instead of the length the cost model picks")
     g.add_argument("--spec-deadline", type=_float("a number of seconds >= 0", lambda v: v >= 0 and v < float("inf")),
                    default=5.0, metavar="SECONDS",
-                   help="a speculator call (propose, accept) taking longer than this costs its sequences their "
-                        "speculation for the rest of the request, logged; a first propose for a request, which may "
-                        "feed its prompt, is exempt (default 5; 0: no deadline)")
+                   help="a speculator hook call not returning within this is abandoned and the speculator "
+                        "quarantined (never called again; the rest of the chain goes on), logged; its calls run on "
+                        "a thread of its own for this (default 5; 0: no deadline, calls run inline)")
+    g.add_argument("--spec-grace", type=_float("a number of seconds > 0", lambda v: v > 0 and v < float("inf")),
+                   default=None, metavar="SECONDS",
+                   help="the deadline instead where a speculator may catch up on a prompt: begin, truncate, "
+                        "prefill, its first propose and accept for a request (default: max(60, 10 x --spec-deadline))")
     default_registry().add_options(g)
 
 
@@ -62,7 +66,8 @@ def engine_setup(args, model):
 
     config = EngineConfig(n_ctx=args.ctx_size, draft_n_max=args.spec_draft_n_max, draft_n_min=args.spec_draft_n_min,
                           draft_p_min=args.spec_draft_p_min, adaptive=args.spec_adaptive,
-                          spec_deadline=getattr(args, "spec_deadline", 5.0) or None)
+                          spec_deadline=getattr(args, "spec_deadline", 5.0) or None,
+                          spec_grace=getattr(args, "spec_grace", None))
     names = parse_spec_types(args.spec_type)
     return config, build_speculators(names, vars(args), target=model, draft_model=args.spec_draft_model, backend=args.device)
 
