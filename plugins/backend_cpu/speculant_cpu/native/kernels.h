@@ -17,7 +17,7 @@
 // (spk_linear picks by m), and they agree bit for bit because both compute, per (weight row,
 // activation row, 256-block), the same EXACT integers
 //   Q4_K: isum = sum_j sc_j * (sum_{i in sub-block j} q_i x_i),  msum = sum_j min_j * bsum32_j
-// and then the one canonical fp32 epilogue below (epilogue_q4k), in block order, lane-wise: 4
+// and then the one canonical fp32 epilogue (epilogue.h's epilogue_q4k), in block order, lane-wise: 4
 // activation rows per xmm in the VNNI kernels, 16 per zmm in the AMX kernel. The same holds for
 // llama.cpp's prompt arithmetic (spk_linear_mode 1: Q4_K's sums per pair of sub-blocks, Q6_K's
 // per block) and Q6_K's canonical form (mode 2); Q6_K in llama.cpp's decode arithmetic has the
@@ -31,7 +31,21 @@
 // bit for bit where the inputs are, and greedy decoding follows llama.cpp's even at near-ties.
 // The library is built with -ffp-contract=off: the only FMAs are the ones written here.
 //
-// Called through ctypes (no Python or torch headers: it builds in about a second). Threads come
+// Called through ctypes (no Python or torch headers: it builds in a few seconds). Threads come
+// from a small pool of our own (pool.h); the caller runs a share of the work too.
+//
+// Where things are: blocks.h (the GGUF block layouts), unpack.h (weight blocks into registers),
+// epilogue.h (the shared fp32 epilogues), quantize.cpp (the activations), vnni_k.h and
+// vnni_b32.h (the per-row VNNI kernels), tiled.cpp (tiled VNNI), amx.cpp (AMX), linear.cpp (the
+// path choice, the dispatcher and the spk_linear* C API), pool.h/.cpp (threads), cpu.cpp (AMX
+// detection).
+//
+// Everything internal is in namespace spk with hidden visibility: nothing but spk_* is exported,
+// and globals are reached without the GOT. The kernel headers (unpack.h, epilogue.h, vnni_k.h,
+// vnni_b32.h) put their code in an anonymous namespace inside it, so that each file including
+// them has its own internal copy, as when all of this was one file: GCC then specializes the
+// kernels to their one caller (constant-propagated clones, the same inlining), and the machine
+// code of the row kernels is what it was before the split (compared function by function).
 #pragma once
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
 #error "speculant's native kernels need AVX-512 F/BW/VL/VNNI and F16C"
@@ -49,8 +63,6 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace spk SPK_HIDDEN {
@@ -97,15 +109,17 @@ class Pool;
 Pool& pool();
 extern std::mutex g_call_mu;  // one matmul at a time: the pool and the activation buffer are shared
 
+// tiled.cpp: weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX)
+// in the AMX layout, on VNNI (Q4_K decode arithmetic, Q6_K canonical).
+void linear_tiled(int qtype, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
+                  int64_t i1, float* y, int64_t ldy);
 
-// The one place a runtime row count becomes a template argument: f(std::integral_constant<int, R>)
-// with R = nr for 1 <= nr <= NR_MAX (NR_MAX for more).
-template <int R = 1, class F>
-inline void with_rows(int nr, F&& f) {
-    if constexpr (R < NR_MAX) {
-        if (nr > R) return with_rows<R + 1>(nr, std::forward<F>(f));
-    }
-    f(std::integral_constant<int, R>{});
-}
+#ifdef SPK_AMX
+// amx.cpp: a chunk of nr <= 16 weight rows against activation groups g0 .. g0 + ng - 1 on AMX
+// tiles; [pf, pf + pf_bytes) is prefetched meanwhile. tiles_ready(): this thread's tile config.
+void amx_rows(bool q4k, bool prompt, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int g0, int ng,
+              int64_t i0, int64_t i1, float* y, int64_t ldy, const uint8_t* pf, int64_t pf_bytes);
+void tiles_ready();
+#endif
 
 }  // namespace spk

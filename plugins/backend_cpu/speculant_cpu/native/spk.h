@@ -12,7 +12,7 @@ void spk_set_threads(int n);
 int spk_threads();
 void spk_parallel_for(int64_t n, void (*fn)(int64_t, void*), void* ctx);  // for the other kernels; not bound
 
-// quantized linear layers (qmatmul.cpp)
+// quantized linear layers (linear.cpp)
 int spk_supports(int qtype, int64_t k);
 int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y);
 int spk_linear_mode(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, int mode);

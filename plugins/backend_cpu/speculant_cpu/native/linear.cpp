@@ -1,0 +1,322 @@
+// The quantized linear layers' entry points: the C API (spk_linear, spk_linear_mode,
+// spk_linear_prompt and their knobs), the choice of path for a call (AMX, tiled VNNI or the
+// per-row VNNI kernels, by type, mode and row count), the activation quantization and the
+// split of the work over the threads, and the dispatcher that turns a runtime row count into
+// the row kernels' template argument.
+#include "kernels.h"
+#include "pool.h"
+#include "vnni_b32.h"
+#include "vnni_k.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace spk SPK_HIDDEN {
+namespace {
+
+// The one place a runtime row count becomes a template argument: f(std::integral_constant<int, R>)
+// with R = nr for 1 <= nr <= NR_MAX (NR_MAX for more).
+template <int R = 1, class F>
+inline void with_rows(int nr, F&& f) {
+    if constexpr (R < NR_MAX) {
+        if (nr > R) return with_rows<R + 1>(nr, std::forward<F>(f));
+    }
+    f(std::integral_constant<int, R>{});
+}
+
+template <int NR>
+void dot_one(int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    switch (qtype) {
+        case T_Q4_K: dot_q4k<NR>((const BlockQ4K*)row, nb, a, i0, y, ldy); break;
+        case T_Q6_K: dot_q6k<NR>((const BlockQ6K*)row, nb, a, i0, y, ldy); break;
+        case T_Q8_0: dot_b32<BlockQ8_0, NR>((const BlockQ8_0*)row, nb, a, i0, y, ldy); break;
+        case T_Q5_0: dot_b32<BlockQ5_0, NR>((const BlockQ5_0*)row, nb, a, i0, y, ldy); break;
+        case T_Q4_0: dot_b32<BlockQ4_0, NR>((const BlockQ4_0*)row, nb, a, i0, y, ldy); break;
+    }
+}
+
+void dot_tile(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    with_rows(nr, [&](auto R) { dot_one<decltype(R)::value>(qtype, row, nb, a, i0, y, ldy); });
+}
+
+// The prompt-row kernels (mode 1: Q4_K as llama.cpp's gemm, mode 2: Q6_K as its tiled matmul).
+void dot_tile_prompt(int nr, int qtype, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    with_rows(nr, [&](auto R) {
+        constexpr int NR = decltype(R)::value;
+        if (qtype == T_Q4_K) dot_q4k_pairs<NR>((const BlockQ4K*)row, nb, a, i0, y, ldy);
+        else dot_q6k_one_sum<NR, true>((const BlockQ6K*)row, nb, a, i0, y, ldy);
+    });
+}
+
+void dot_tile_canon(int nr, const uint8_t* row, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    with_rows(nr, [&](auto R) { dot_q6k_one_sum<decltype(R)::value, false>((const BlockQ6K*)row, nb, a, i0, y, ldy); });
+}
+
+Act g_act;
+
+// Q4_K calls (and Q6_K ones in the modes it has) with at least this many rows take the AMX
+// kernel (0: never): its cost is about flat from 1 to 16 rows, the VNNI kernels' grows with each
+// row (measured on a Sapphire Rapids core, the 1.5B model's weights, one thread: about even at 5
+// rows for Q4_K's decode arithmetic).
+int g_amx_min_rows = 5;
+// Q4_K calls in its decode arithmetic with at least this many rows (Q6_K ones in its canonical
+// form: twice as many) that do not take AMX take the tiled VNNI kernels (0: never). Measured on
+// the 1.5B's Q4_K FFN matrices, 2 cores without AMX: 8 rows 1.0-1.3x the per-row kernels, 16 rows
+// 2.0-2.6x, 512 rows 2.2-2.8x.
+int g_tiled_min_rows = 8;
+int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX, 3 VNNI on the AMX layout
+
+}  // namespace
+}  // namespace spk
+
+using namespace spk;
+
+extern "C" {
+
+int spk_abi_version() { return 5; }
+
+// Calls with at least `rows` rows take the AMX path where it has the call's type and mode (0:
+// never); returns the old value.
+int spk_set_amx_min_rows(int rows) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    const int old = g_amx_min_rows;
+    g_amx_min_rows = rows;
+    return old;
+}
+
+// As spk_set_amx_min_rows, for the tiled VNNI kernels (q4k_tiled_rows, q6k_tiled_rows: activations in the
+// AMX layout), which calls that do not take AMX take from this many rows (0: never).
+int spk_set_tiled_min_rows(int rows) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    const int old = g_tiled_min_rows;
+    g_tiled_min_rows = rows;
+    return old;
+}
+
+// Which path the last spk_linear call took: 1 the VNNI kernels, 2 the AMX kernel, 3 the tiled VNNI kernels.
+int spk_last_path() { return g_last_path; }
+
+// Does the library have a kernel for this GGML type and row length?
+int spk_supports(int qtype, int64_t k) {
+    return block_bytes(qtype) != 0 && k % block_values(qtype) == 0;
+}
+
+// How a call's rows are computed (spk_linear_prompt).
+enum Mode { LLAMA_DECODE = 0, LLAMA_PROMPT = 1, Q6K_CANON = 2 };
+
+// The body of spk_linear and spk_linear_prompt.
+static int linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, Mode mode) {
+    const bool prompt = mode == LLAMA_PROMPT, canon = mode == Q6K_CANON && qtype == T_Q6_K;
+    Pool& p = pool();
+    const int bv = block_values(qtype);
+    const int nb = (int)(k / bv);
+    const size_t row_bytes = nb * block_bytes(qtype);
+#ifdef SPK_AMX
+    // every Q4_K mode, and the Q6_K modes with one integer sum per block
+    const bool amx = (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_amx_min_rows > 0 && m >= g_amx_min_rows && amx_ok();
+#else
+    const bool amx = false;
+#endif
+    // Q6_K from twice the rows: one activation group's 16 lanes cost the same however many are
+    // used, and the output head (k = 1536, 191 MB of Q6_K) at 8 rows took 13.9 ms tiled against
+    // 8.0 on the per-row kernels (even at 16 rows; its FFN matrices, k = 8960, gain from 8).
+    const int tiled_from = qtype == T_Q6_K ? 2 * g_tiled_min_rows : g_tiled_min_rows;
+    const bool tiled = !amx && ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_tiled_min_rows > 0 && m >= tiled_from;
+    g_last_path = amx ? 2 : tiled ? 3 : 1;
+    Act& a = g_act;
+    a.nb = nb;
+    a.bsize = bv;
+    const int64_t groups = (m + 15) / 16;
+    if (amx || tiled) {
+        a.bt.resize((size_t)groups * nb * 4096);
+        a.dt.resize((size_t)groups * nb * 16);
+        a.bp.resize((size_t)groups * nb * 64);
+        a.bq.resize(tiled && qtype == T_Q6_K ? (size_t)groups * nb * 128 : 0);
+    } else {
+        a.qs.resize((size_t)m * nb * bv);
+        a.d.resize((size_t)m * nb);
+        if (bv == 256) {
+            a.bs16.resize((size_t)m * nb * 16);
+            a.bs32.resize((size_t)m * nb * 8);
+        }
+    }
+    // Work items: the rows, or for AMX each (group, block) of the B tiles.
+    const int64_t items = amx || tiled ? groups * nb : m;
+    auto quantize = [&](int64_t i) {
+        if (amx || tiled)
+            quantize_q8k_block_amx(x, m, k, nb, qtype == T_Q4_K, qtype == T_Q4_K && !prompt, i / nb, (int)(i % nb), a);
+        else if (bv == 256)
+            quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
+                             a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
+        else
+            quantize_q80_row(x + i * k, nb, a.qs.data() + i * nb * 32, a.d.data() + i * nb);
+    };
+    if (m < 4 || items < 2) {
+        for (int64_t i = 0; i < items; ++i) quantize(i);
+    } else {
+        std::atomic<int64_t> next{0};
+        p.run([&](int, int) {
+            for (int64_t i; (i = next.fetch_add(1)) < items;) quantize(i);
+        });
+    }
+
+    if (bv == 32 && m >= 2) {  // the row pairs of dot_b32
+        a.xp.resize((size_t)(m / 2) * nb * 64);
+        a.dp.resize((size_t)(m / 2) * nb * 16);
+        for (int64_t i = 0; i + 1 < m; i += 2)
+            for (int b = 0; b < nb; ++b)
+                for (int h = 0; h < 2; ++h) {
+                    const int64_t ab = (i + h) * nb + b, pb = (i / 2) * nb + b;
+                    std::memcpy(a.xp.data() + pb * 64 + 32 * h, a.qs.data() + ab * 32, 32);
+                    std::fill(a.dp.data() + pb * 16 + 8 * h, a.dp.data() + pb * 16 + 8 * h + 8, a.d[ab]);
+                }
+    }
+
+    const uint8_t* W = (const uint8_t*)weights;
+#ifdef SPK_AMX
+    const int64_t w_bytes = n * (int64_t)row_bytes;
+#endif
+    auto rows = [&](int64_t r0, int64_t r1, int64_t a0, int64_t a1) {
+#ifdef SPK_AMX
+        if (amx) {  // r1 - r0 <= ROW_CHUNK = 16, a0 a multiple of 16, a1 - a0 <= ACT_TILE
+            const int64_t pf0 = std::min(w_bytes, r1 * (int64_t)row_bytes);
+            const int64_t pf1 = std::min(w_bytes, (2 * r1 - r0) * (int64_t)row_bytes);
+            const int g0 = (int)(a0 / 16), ng = (int)((a1 - a0 + 15) / 16);
+            amx_rows(qtype == T_Q4_K, prompt, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n,
+                     W + pf0, pf1 - pf0);
+            return;
+        }
+#endif
+        if (tiled) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
+            const int64_t g0 = a0 / 16;
+            const int ng = (int)((a1 - a0 + 15) / 16);
+            linear_tiled(qtype, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n);
+            return;
+        }
+        if (a1 - a0 == 1 && !prompt) {  // decode: four weight rows at a time
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) {
+                const uint8_t* w4 = W + r * row_bytes;
+                float* y4 = y + a0 * n + r;
+                switch (qtype) {
+                    case T_Q4_K: dot_q4k_w4_rows<1>(w4, row_bytes, nb, a, (int)a0, y + r, n); break;
+                    case T_Q6_K:
+                        if (canon) dot_q6k_canon_w4(w4, row_bytes, nb, a, (int)a0, y4);
+                        else dot_q6k_w4(w4, row_bytes, nb, a, (int)a0, y4);
+                        break;
+                    case T_Q8_0: dot_b32_w4<BlockQ8_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
+                    case T_Q5_0: dot_b32_w4<BlockQ5_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
+                    case T_Q4_0: dot_b32_w4<BlockQ4_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
+                }
+            }
+            for (; r < r1; ++r) {
+                if (canon) dot_tile_canon(1, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+                else dot_tile(1, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+            }
+            return;
+        }
+        if (qtype == T_Q4_K && !prompt && a1 - a0 == 2) {  // a one-token draft's verification: as decode
+            int64_t r = r0;
+            for (; r + 4 <= r1; r += 4) dot_q4k_w4_rows<2>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + r, n);
+            for (; r < r1; ++r) dot_tile(2, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+            return;
+        }
+        for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {
+            const int nr = (int)std::min<int64_t>(NR_MAX, a1 - i0);
+            for (int64_t r = r0; r < r1; ++r) {
+                if (prompt) dot_tile_prompt(nr, qtype, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
+                else if (canon) dot_tile_canon(nr, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
+                else dot_tile(nr, qtype, W + r * row_bytes, nb, a, (int)i0, y + i0 * n + r, n);
+            }
+        }
+    };
+    if (m <= ACT_TILE) {
+        // Few rows: the weights stream from memory once. Each thread starts on its own span of
+        // weight rows and walks it chunk by chunk in order (one sequential stream, which the
+        // hardware prefetcher follows); a thread that finishes early helps with the others'
+        // spans, so a thread the OS descheduled does not hold up the call.
+        const int nt = p.size();
+        const int64_t n_chunks = (n + ROW_CHUNK - 1) / ROW_CHUNK;
+        std::vector<std::atomic<int64_t>> cursor(nt);
+        std::vector<int64_t> end(nt);
+        for (int s = 0; s < nt; ++s) {
+            cursor[s].store(n_chunks * s / nt);
+            end[s] = n_chunks * (s + 1) / nt;
+        }
+        p.run([&](int t, int) {
+#ifdef SPK_AMX
+            if (amx) tiles_ready();
+#endif
+            for (int k = 0; k < nt; ++k) {
+                const int s = (t + k) % nt;
+                for (int64_t c; (c = cursor[s].fetch_add(1)) < end[s];)
+                    rows(c * ROW_CHUNK, std::min(n, (c + 1) * ROW_CHUNK), 0, m);
+            }
+        });
+    } else {
+        // Many rows (a prompt): tiles of activation rows that stay in L2 against chunks of
+        // weight rows, handed out in order.
+        const int64_t n_chunks = (n + ROW_CHUNK - 1) / ROW_CHUNK;
+        const int64_t n_tiles = (m + ACT_TILE - 1) / ACT_TILE;
+        std::atomic<int64_t> next{0};
+        p.run([&](int, int) {
+#ifdef SPK_AMX
+            if (amx) tiles_ready();
+#endif
+            for (int64_t item; (item = next.fetch_add(1)) < n_chunks * n_tiles;) {
+                const int64_t tile = item / n_chunks, chunk = item % n_chunks;
+                rows(chunk * ROW_CHUNK, std::min(n, (chunk + 1) * ROW_CHUNK), tile * ACT_TILE, std::min(m, (tile + 1) * ACT_TILE));
+            }
+        });
+    }
+    return 0;
+}
+
+// y[m, n] (row stride n) = x[m, k] @ W^T where W holds n rows of k values in GGML type qtype.
+int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y) {
+    if (!spk_supports(qtype, k) || n <= 0 || m <= 0) return -1;
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    return linear(qtype, weights, n, k, x, m, y, LLAMA_DECODE);
+}
+
+// As spk_linear, every row computed the one way `mode` says (0: llama.cpp's decode arithmetic,
+// 1: its prompt arithmetic, 2: Q6_K's canonical epilogue; see spk_linear_prompt).
+int spk_linear_mode(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, int mode) {
+    if (!spk_supports(qtype, k) || n <= 0 || m <= 0 || mode < 0 || mode > 2) return -1;
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    return linear(qtype, weights, n, k, x, m, y, (Mode)mode);
+}
+
+// As spk_linear, with row i computed as kind[i] says:
+//   bit 0: a Q4_K row in the whole groups of four of a llama.cpp prompt batch (its repacked gemm;
+//          the other rows, and every decode row, take its gemv, which is spk_linear's);
+//   bit 1: a Q6_K row of a llama.cpp prompt batch of eight rows or more (its tiled matmul);
+//   bit 2: a Q6_K row where llama.cpp's own arithmetic is not reproduced anyway (past
+//          LLAMA_SPLIT_KV cached tokens, see backend.py): the canonical epilogue, which the AMX
+//          kernel shares, instead of llama.cpp's eight lane chains, which it cannot do.
+// The kind of a row must follow from the row alone (its position, its prompt), so that a row
+// computes the same with any other rows.
+int spk_linear_prompt(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y,
+                      const uint8_t* kind) {
+    if (!spk_supports(qtype, k) || n <= 0 || m <= 0) return -1;
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    if (qtype != T_Q4_K && qtype != T_Q6_K) return linear(qtype, weights, n, k, x, m, y, LLAMA_DECODE);
+    auto mode_of = [&](uint8_t kd) {
+        if (qtype == T_Q4_K) return (kd & 1) ? LLAMA_PROMPT : LLAMA_DECODE;
+        return (kd & 2) ? LLAMA_PROMPT : (kd & 4) ? Q6K_CANON : LLAMA_DECODE;
+    };
+    for (int64_t a = 0; a < m;) {  // runs of rows of one kind
+        const Mode mode = mode_of(kind[a]);
+        int64_t b = a + 1;
+        while (b < m && mode_of(kind[b]) == mode) ++b;
+        linear(qtype, weights, n, k, x + a * k, b - a, y + a * n, mode);
+        a = b;
+    }
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,159 @@
+// The tiled VNNI kernels: Q4_K (decode arithmetic) and Q6_K (canonical form) with the
+// activations in the AMX layout, for CPUs without AMX (or with it turned off) from a few rows.
+// 16 activation rows sit in a zmm's lanes, so the block sums need no horizontal reduction.
+#include "epilogue.h"
+#include "kernels.h"
+#include "unpack.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace spk SPK_HIDDEN {
+
+// Q4_K on VNNI with the activations in the AMX layout (CPUs without AMX, from a few rows): the 16
+// rows of an activation group sit in the 16 int32 lanes of a zmm, four bytes each (value v of
+// row i at dword [v/4][i], q4k_order), and each weight dword is broadcast against them. A lane's
+// sum then collects one (weight row, activation row) pair with no horizontal reduction: per 32
+// values, 8 vpdpbusd give the sub-block's exact sum, which its 6-bit scale multiplies. That is the
+// same integer isum and msum as dot_q4k's, and the same canonical epilogue lane-wise, so the bits
+// are the other kernels' (the tests compare them).
+
+// The sub-block of each 32-byte run of q4k_values' bytes: zmm z holds sub-blocks (0,2), (1,3), (4,6), (5,7).
+constexpr int Q4K_RUN_SUB[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+// Up to R = 8 weight rows against ng activation groups: eight independent vpdpbusd chains (their
+// latency needs about that many), each activation zmm loaded once for the eight rows (zmm loads
+// are what runs out first), each weight block decoded once for all the groups.
+constexpr int TILED_ROWS = 8;
+
+// The exact integer sums of one activation group against R decoded weight rows: for each run of
+// RUN bytes (a sub-block), RUN / 4 vpdpbusd of the weight dwords broadcast against the group's
+// activation zmm, times the run's scale; isum[r] = sum over runs of scale(r, run) * run sum.
+template <int R, int RUN, class Scale>
+inline void tiled_isums(const uint8_t (*qb)[256], const int8_t* B, Scale scale, __m512i* isum) {
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int k = 0; k < 256 / RUN; ++k) {
+        __m512i c[R];
+        for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_si512();
+        for (int t = 0; t < RUN / 4; ++t) {
+            const __m512i bz = _mm512_loadu_si512(B + 64 * (RUN / 4 * k + t));  // not 64-aligned: loadu
+            for (int r = 0; r < R; ++r) {
+                int32_t w;
+                std::memcpy(&w, qb[r] + RUN * k + 4 * t, 4);
+                c[r] = _mm512_dpbusd_epi32(c[r], _mm512_set1_epi32(w), bz);
+            }
+        }
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(c[r], _mm512_set1_epi32(scale(r, k))));
+    }
+}
+
+static void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
+                           int64_t i1, float* y, int64_t ldy) {
+    constexpr int R = TILED_ROWS;
+    alignas(64) uint8_t qb[R][256];
+    alignas(16) uint8_t scm[R][16];  // [sc0..sc7, mn0..mn7] of each row
+    alignas(64) float acc[TILED_GROUPS_MAX][R][16], macc[TILED_GROUPS_MAX][R][16];
+    float d[R] = {}, dmin[R] = {};
+    std::memset(qb, 0, sizeof qb);  // rows past nr stay zero: their sums are 0
+    std::memset(scm, 0, sizeof scm);
+    for (int g = 0; g < ng; ++g)
+        for (int r = 0; r < R; ++r) {
+            _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
+            _mm512_store_ps(macc[g][r], _mm512_setzero_ps());
+        }
+    for (int b = 0; b < nb; ++b) {
+        for (int r = 0; r < nr; ++r) {
+            const BlockQ4K& blk = ((const BlockQ4K*)(W + r * row_bytes))[b];
+            prefetch(&blk, sizeof(BlockQ4K));
+            d[r] = f16(blk.d);
+            dmin[r] = f16(blk.dmin);
+            _mm_store_si128((__m128i*)scm[r], q4k_scales(blk));
+            __m512i q[4];
+            q4k_values(blk, q);
+            for (int z = 0; z < 4; ++z) _mm512_store_si512(qb[r] + 64 * z, q[z]);
+        }
+        for (int g = 0; g < ng; ++g) {
+            const int64_t gb = (g0 + g) * nb + b;
+            __m512i isum[R];  // the 32-value runs of q4k_values' order, one sub-block each
+            tiled_isums<R, 32>(qb, a.bt.data() + gb * 4096, [&](int r, int k) { return (int32_t)scm[r][Q4K_RUN_SUB[k]]; }, isum);
+            const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
+            const int32_t* bp = a.bp.data() + gb * 64;
+            const __m512i bpz[4] = {_mm512_loadu_si512(bp), _mm512_loadu_si512(bp + 16),
+                                    _mm512_loadu_si512(bp + 32), _mm512_loadu_si512(bp + 48)};
+            for (int r = 0; r < nr; ++r) {
+                const uint8_t* mn = scm[r] + 8;
+                __m512i msum = _mm512_setzero_si512();
+                for (int p = 0; p < 4; ++p)
+                    msum = _mm512_dpwssd_epi32(msum, _mm512_set1_epi32(pair16(mn[2 * p], mn[2 * p + 1])), bpz[p]);
+                __m512 s = _mm512_load_ps(acc[g][r]), sn = _mm512_load_ps(macc[g][r]);
+                epilogue_q4k(s, sn, _mm512_set1_ps(d[r]), _mm512_set1_ps(dmin[r]), dx, isum[r], msum);
+                _mm512_store_ps(acc[g][r], s);
+                _mm512_store_ps(macc[g][r], sn);
+            }
+        }
+    }
+    for (int g = 0; g < ng; ++g)
+        for (int lane = 0; lane < 16; ++lane) {
+            const int64_t i = (g0 + g) * 16 + lane;
+            if (i < i0 || i >= i1) continue;
+            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane] - macc[g][r][lane];
+        }
+}
+
+// Q6_K's canonical form (Q6K_CANON) the same way: per 16 values, 4 vpdpbusd of the unsigned 6-bit
+// values give sum q x, its int8 scale multiplies it, and the -32 offset comes off at the end as
+// 32 * sum_j sc_j * bsum16_j (the activations' 16-value sums, from the quantizer): the same exact
+// isum as dot_q6k_canon's, and its epilogue lane-wise.
+static void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
+                           int64_t i1, float* y, int64_t ldy) {
+    constexpr int R = TILED_ROWS;
+    alignas(64) uint8_t qb[R][256];
+    alignas(16) int8_t scs[R][16];
+    alignas(64) float acc[TILED_GROUPS_MAX][R][16];
+    float d[R] = {};
+    std::memset(qb, 0, sizeof qb);
+    std::memset(scs, 0, sizeof scs);
+    for (int g = 0; g < ng; ++g)
+        for (int r = 0; r < R; ++r) _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
+    for (int b = 0; b < nb; ++b) {
+        for (int r = 0; r < nr; ++r) {
+            const BlockQ6K& blk = ((const BlockQ6K*)(W + r * row_bytes))[b];
+            prefetch(&blk, sizeof(BlockQ6K));
+            d[r] = f16(blk.d);
+            std::memcpy(scs[r], blk.scales, 16);
+            __m512i q[4];
+            q6k_values(blk, q);
+            for (int z = 0; z < 4; ++z) _mm512_store_si512(qb[r] + 64 * z, q[z]);
+        }
+        for (int g = 0; g < ng; ++g) {
+            const int64_t gb = (g0 + g) * nb + b;
+            __m512i isum[R];  // the 16-value sub-blocks in natural order
+            tiled_isums<R, 16>(qb, a.bt.data() + gb * 4096, [&](int r, int j) { return (int32_t)scs[r][j]; }, isum);
+            const __m512 dx = _mm512_loadu_ps(a.dt.data() + gb * 16);
+            const int32_t* bq = a.bq.data() + gb * 128;
+            for (int r = 0; r < nr; ++r) {
+                __m512i corr = _mm512_setzero_si512();
+                for (int p = 0; p < 8; ++p)
+                    corr = _mm512_dpwssd_epi32(corr, _mm512_set1_epi32(pair16(scs[r][2 * p], scs[r][2 * p + 1])), _mm512_loadu_si512(bq + 16 * p));
+                const __m512i v = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(corr, 5));
+                _mm512_store_ps(acc[g][r], epilogue_q6k_canon(_mm512_load_ps(acc[g][r]), _mm512_set1_ps(d[r]), dx, v));
+            }
+        }
+    }
+    for (int g = 0; g < ng; ++g)
+        for (int lane = 0; lane < 16; ++lane) {
+            const int64_t i = (g0 + g) * 16 + lane;
+            if (i < i0 || i >= i1) continue;
+            for (int r = 0; r < nr; ++r) y[i * ldy + r] = acc[g][r][lane];
+        }
+}
+
+// Weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX).
+void linear_tiled(int qtype, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
+                  int64_t i1, float* y, int64_t ldy) {
+    const auto kernel = qtype == T_Q4_K ? q4k_tiled_rows : q6k_tiled_rows;
+    for (int r = 0; r < nr; r += TILED_ROWS)
+        kernel(W + r * row_bytes, row_bytes, nb, std::min(TILED_ROWS, nr - r), a, g0, ng, i0, i1, y + r, ldy);
+}
+
+}  // namespace spk
