@@ -374,6 +374,27 @@ def test_truncate_starts_the_catch_up_again():
     assert chain.propose(seq, DraftLimits(4)) is None and spec.calls[BAD_PROMPT[0]] == 3
 
 
+def test_the_grace_grows_with_the_prompt():
+    """Catching up takes time in proportion to the prompt: the grace grows by GRACE_PER_TOKEN a
+    token of the call's sequence."""
+    from speculant.chain import GRACE_PER_TOKEN, SpeculatorChain
+    from speculant.types import SequenceView
+
+    class SlowBegin:
+        spec_type = "slow-begin"
+
+        @hookimpl
+        def begin(self, seq):
+            time.sleep(0.3)
+
+    n = int(0.5 / GRACE_PER_TOKEN)  # 0.5 s more
+    chain = SpeculatorChain([SlowBegin()], deadline=0.05, grace=0.1)
+    chain.begin(SequenceView(1, (1,) * n, n, 0.0))
+    assert not chain.quarantined
+    chain.begin(SequenceView(2, (1, 2), 2, 0.0))
+    assert "slow-begin" in chain.quarantined
+
+
 def test_no_deadline_runs_speculators_inline_and_keeps_a_slow_one():
     import threading
 

@@ -157,6 +157,17 @@ _HUNG = object()  # what _run returns for an abandoned call
 _GRACE_HOOKS = frozenset({"begin", "truncate", "prefill"})
 # Hooks whose first call for a sequence since its begin or truncate gets the grace too.
 _FIRST_HOOKS = frozenset({"propose", "propose_batch", "accept"})
+# Seconds the grace grows by per token of the call's sequences (all of them, for propose_batch):
+# catching up costs time in proportion to the prompt. The 0.5B draft model fed a 4000-token prompt
+# in 40 s on a loaded 2-core machine (10 ms a token); twice that, for margin.
+GRACE_PER_TOKEN = 0.02
+
+
+def _tokens(kwargs: dict) -> int:
+    """The tokens of the sequences of a hook call (what a catch-up would have to feed, at most)."""
+    if "seq" in kwargs:
+        return len(kwargs["seq"].tokens)
+    return sum(len(r.seq.tokens) for r in kwargs.get("requests", ()))
 
 
 def _fault(e: BaseException) -> Exception:
@@ -232,10 +243,11 @@ class SpeculatorChain:
     """``deadline``: seconds a speculator's hook call may take (None: no limit, calls run inline
     on the caller's thread). With one, each speculator's calls run on a thread of its own (one
     per speculator: its calls stay sequential, its state is touched by one thread at a time) and
-    the caller waits at most the deadline for each. ``grace`` (default max(60 s, 10 x deadline))
-    replaces the deadline for ``begin``, ``truncate`` and ``prefill``, and for a speculator's first
-    ``propose``/``propose_batch`` and first ``accept`` for a sequence since its begin or truncate:
-    there a speculator may catch up on the prompt (a draft model feeds it lazily; EAGLE3 takes the
+    the caller waits at most the deadline for each. ``grace`` (default max(60 s, 10 x deadline)),
+    plus GRACE_PER_TOKEN (20 ms) per token of the call's sequences, replaces the deadline for
+    ``begin``, ``truncate`` and ``prefill``, and for a speculator's first ``propose``/
+    ``propose_batch`` and first ``accept`` for a sequence since its begin or truncate: there a
+    speculator may catch up on the prompt (a draft model feeds it lazily; EAGLE3 takes the
     prompt's hidden states).
 
     A call that does not return in time is abandoned: the speculator is quarantined (no hook of it
@@ -279,18 +291,17 @@ class SpeculatorChain:
     def __bool__(self) -> bool:
         return bool(self.speculators)
 
-    def _limit(self, slot: _Slot, hook: str, seq_ids: Sequence[int]) -> float:
-        """The seconds a call may take: the grace where it may catch up on a prompt, else the deadline."""
-        if hook in _GRACE_HOOKS:
-            return self.grace
-        limit = self.deadline
+    def _limit(self, slot: _Slot, hook: str, kwargs: dict, seq_ids: Sequence[int]) -> float:
+        """The seconds a call may take: where it may catch up on a prompt the grace, plus
+        GRACE_PER_TOKEN per token of its sequences; else the deadline."""
+        grace = hook in _GRACE_HOOKS
         if hook in _FIRST_HOOKS:
             for seq_id in seq_ids:
                 asked = self._asked.setdefault(seq_id, set())
                 if (slot.index, hook) not in asked:
                     asked.add((slot.index, hook))
-                    limit = self.grace
-        return limit
+                    grace = True
+        return self.grace + GRACE_PER_TOKEN * _tokens(kwargs) if grace else self.deadline
 
     def _run(self, slot: _Slot, hook: str, calls: list[tuple[dict, Sequence[int]]]):
         """Calls of one speculator's hook, each (kwargs, the seq_ids it is for), in one hand-off to
@@ -301,7 +312,7 @@ class SpeculatorChain:
         box = slot.box
         if box is None:
             return _run_calls(None, [(fn, kwargs) for kwargs, _ in calls])
-        limits = [self._limit(slot, hook, seq_ids) for _, seq_ids in calls]
+        limits = [self._limit(slot, hook, kwargs, seq_ids) for kwargs, seq_ids in calls]
         box.job = [(fn, kwargs) for kwargs, _ in calls]
         box.progress = (0, time.perf_counter())
         box.go.release()

@@ -39,8 +39,9 @@ class EngineConfig:
     # engine thread). With a deadline each speculator's calls run on a thread of its own and the
     # engine waits at most this long for each: a call that does not return in time is abandoned
     # and its speculator quarantined for the engine's life (SpeculatorChain; logged), the others
-    # go on. `spec_grace` (None: max(60 s, 10 x the deadline)) replaces it where a speculator may
-    # catch up on a prompt: begin, truncate, prefill, and its first propose and accept for a sequence.
+    # go on. `spec_grace` (None: max(60 s, 10 x the deadline)), plus 20 ms per token of the
+    # sequence, replaces it where a speculator may catch up on a prompt: begin, truncate, prefill,
+    # and its first propose and accept for a sequence.
     spec_deadline: float | None = 5.0
     spec_grace: float | None = None
 

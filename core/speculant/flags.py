@@ -54,8 +54,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "a thread of its own for this (default 5; 0: no deadline, calls run inline)")
     g.add_argument("--spec-grace", type=_float("a number of seconds > 0", lambda v: v > 0 and v < float("inf")),
                    default=None, metavar="SECONDS",
-                   help="the deadline instead where a speculator may catch up on a prompt: begin, truncate, "
-                        "prefill, its first propose and accept for a request (default: max(60, 10 x --spec-deadline))")
+                   help="the deadline instead where a speculator may catch up on a prompt (begin, truncate, "
+                        "prefill, its first propose and accept for a request), plus 20 ms per token of the "
+                        "request (default: max(60, 10 x --spec-deadline))")
     default_registry().add_options(g)
 
 
