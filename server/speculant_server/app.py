@@ -23,6 +23,7 @@ from speculant.logs import get_logger
 from speculant_server import metrics, slot_files
 from speculant_server.protocol import (ApiError, Defaults, GenRequest, Limits, bad, check_prompt_bytes, get_bool,
                                        get_str, get_tokens, parse_chat, parse_completion, parse_json, parse_messages)
+from speculant_server.tools import ToolCallParser, parse_tools, prepare_messages, tools_error
 from speculant_server.worker import Done, EngineWorker, Job, QueueFull
 
 log = get_logger("speculant.server")
@@ -169,14 +170,23 @@ def build_prompt(state: State, req: GenRequest) -> list[int]:
     if req.prompt_tokens is not None:
         return req.prompt_tokens
     if req.messages is not None:
+        extra = {}
+        if req.tools is not None:
+            error = tools_error(tok.chat_template)
+            if error is not None:
+                raise error
+            extra["tools"] = list(req.tools.tools)
         # the messages' special-token texts stay text (no role injection) unless --special-in-content
         try:
-            prompt = tok.chat_prompt(req.messages, add_generation_prompt=True,
-                                     special_in_content=state.config.special_in_content)
+            prompt = tok.chat_prompt(prepare_messages(req.messages), add_generation_prompt=True,
+                                     special_in_content=state.config.special_in_content, **extra)
+        except ApiError:
+            raise
         except Exception as e:  # the template rejected the conversation (roles, order, ...)
             raise bad(f"the chat template could not render the messages: {e}") from None
         check_prompt_bytes(prompt.text, state.max_prompt_bytes, "messages")
-        return prompt.encode()
+        opening = req.tools.prefix() if req.tools is not None else ""  # tool_choice required or named
+        return prompt.encode() + (tok.encode(opening, add_special=False, parse_special=False) if opening else [])
     check_prompt_bytes(req.prompt_text, state.max_prompt_bytes, "prompt")
     return tok.encode(req.prompt_text, add_special=True, parse_special=True)  # a raw prompt: specials parsed, as llama-server
 
@@ -232,6 +242,14 @@ def _lp(v: float) -> float:
 
 
 class ChatFormat(_Format):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Per choice, with tools: the parser that splits its text into content and tool calls,
+        # the calls sent so far, and logprobs of text held back (they ride with the next chunk).
+        self.parsers: dict[int, ToolCallParser] = {}
+        self.n_calls: dict[int, int] = {}
+        self.held: dict[int, list] = {}
+
     def _chunk(self, delta: dict, index: int = 0, finish: str | None = None, logprobs=None, **extra) -> dict:
         return {"id": self.job_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "system_fingerprint": "speculant",
@@ -254,22 +272,72 @@ class ChatFormat(_Format):
         return [self._chunk({"role": "assistant", "content": ""}, index)]
 
     def text(self, text, index=0, logprobs=None):
-        return [self._chunk({"content": text}, index, logprobs=self.logprobs(logprobs))]
+        if self.req.tools is None:
+            return [self._chunk({"content": text}, index, logprobs=self.logprobs(logprobs))]
+        content, calls = self._parser(index).feed(text)
+        return self._parsed(index, content, calls, logprobs)
+
+    def _parser(self, index: int) -> ToolCallParser:
+        if index not in self.parsers:
+            self.parsers[index] = ToolCallParser(self.req.tools)
+        return self.parsers[index]
+
+    def _parsed(self, index: int, content: str, calls: list[dict], logprobs) -> list[dict]:
+        """Chunks for what the parser let through: content, then each call whole (OpenAI's
+        streamed shape, with the call's index among the choice's calls)."""
+        if logprobs is not None:
+            self.held.setdefault(index, []).extend(logprobs)
+        out = []
+        if content:
+            out.append(self._chunk({"content": content}, index, logprobs=self._take_held(index)))
+        for call in calls:
+            k = self.n_calls.get(index, 0)
+            self.n_calls[index] = k + 1
+            out.append(self._chunk({"tool_calls": [{"index": k, **call}]}, index, logprobs=self._take_held(index)))
+        return out
+
+    def _take_held(self, index: int):
+        held = self.held.pop(index, None)
+        return self.logprobs(held) if held is not None else None
+
+    def _finish_reason(self, done: Done, index: int, n_calls: int) -> str:
+        # OpenAI's: a turn that ends in calls (not cut by max_tokens) finishes with "tool_calls"
+        return "tool_calls" if n_calls and done.finish_reason == "stop" else done.finish_reason
 
     def end(self, done: Done, index=0):
-        return [self._chunk({}, index, done.finish_reason, timings=done.timings)]
+        out = []
+        if self.req.tools is not None:
+            content, calls = self._parser(index).finish()
+            out = self._parsed(index, content, calls, None)
+            if index in self.held:  # logprobs of text that turned out to be nothing
+                out.append(self._chunk({}, index, logprobs=self._take_held(index)))
+        finish = self._finish_reason(done, index, self.n_calls.get(index, 0))
+        return out + [self._chunk({}, index, finish, timings=done.timings)]
 
     def usage_chunks(self, dones):
         if not self.req.include_usage:
             return []
         return [{**self._chunk({}), "choices": [], "usage": self.usage(dones), "timings": self.timings(dones)}]
 
+    def _message(self, text: str) -> dict:
+        if self.req.tools is None:
+            return {"role": "assistant", "content": text}
+        parser = ToolCallParser(self.req.tools)
+        content, calls = parser.feed(text)
+        rest, more = parser.finish()
+        content, calls = content + rest, calls + more
+        if not calls:
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
     def final(self, texts: list[str], logprobs: list, dones: list[Done]) -> dict:
+        choices = []
+        for i, (text, lps, done) in enumerate(zip(texts, logprobs, dones)):
+            message = self._message(text)
+            choices.append({"index": i, "message": message, "logprobs": self.logprobs(lps),
+                            "finish_reason": self._finish_reason(done, i, len(message.get("tool_calls", ())))})
         return {"id": self.job_id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "system_fingerprint": "speculant",
-                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "logprobs": self.logprobs(lps), "finish_reason": done.finish_reason}
-                            for i, (text, lps, done) in enumerate(zip(texts, logprobs, dones))],
+                "system_fingerprint": "speculant", "choices": choices,
                 "usage": self.usage(dones), "timings": self.timings(dones)}
 
 
@@ -510,6 +578,7 @@ async def chat_completions(request: web.Request):
     state = request.app[STATE]
     body = await read_json(request)
     req = parse_chat(body, state.config.defaults, state.spec_enabled, state.spec_known, state.config.limits)
+    req.tools = parse_tools(body)
     return await generate(request, req, ChatFormat)
 
 

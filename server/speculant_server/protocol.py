@@ -245,6 +245,7 @@ class GenRequest:
     cache_prompt: bool = True  # llama-server's: continue from a kept state sharing a prefix with the prompt
     n: int = 1  # choices, each its own sequence on the shared prompt
     logprobs: int | None = None  # top tokens to report with each token's logprob (None: no logprobs)
+    tools: Any = None  # chat: a tools.ToolRequest when tools may be called
 
 
 def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:
@@ -342,7 +343,7 @@ def parse_messages(body: dict, limits: Limits | None = None) -> list[dict]:
 # rather than ignored (a client asking for JSON output must not get free text it takes for JSON).
 # Each maps to the values that ask for nothing and are accepted.
 UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}),
     "grammar": (None, ""), "json_schema": (None,), "post_sampling_probs": (None, False),
 }
 
@@ -411,6 +412,9 @@ def parse_completion(body: dict, endpoint: str, defaults: Defaults, enabled: lis
                      n_vocab: int, limits: Limits | None = None) -> GenRequest:
     """/v1/completions (endpoint "completions") or llama-server's /completion ("completion")."""
     req = _common(body, endpoint, defaults, enabled, known, limits)
+    for key, neutral in (("tools", (None, [])), ("tool_choice", (None, "none", "auto"))):
+        if body.get(key) not in neutral:
+            raise bad(f"'{key}' is a chat completions field (/v1/chat/completions)", param=key)
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("'prompt' is required", param="prompt")
