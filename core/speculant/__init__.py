@@ -4,13 +4,14 @@ The public API that plugins import. Everything else in the package is internal.
 """
 from speculant.errors import DeviceUnavailable, LimitError, ModelFileError, SpeculantError
 from speculant.hookspecs import hookimpl, hookspec
+from speculant.constraint import Constraint
 from speculant.types import Batch, Draft, DraftLimits, DraftRequest, ForwardOutput, SequenceView
 from speculant.model import Backend, BackendKernels, Context, Model, ModelInfo, RecurrentContext, backend_kernel
 from speculant.context import KVCache
 from speculant.options import float_where, int_in
 
 __all__ = [
-    "Backend", "BackendKernels", "Batch", "Context", "DeviceUnavailable", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "KVCache", "LimitError",
+    "Backend", "BackendKernels", "Batch", "Constraint", "Context", "DeviceUnavailable", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "KVCache", "LimitError",
     "Model", "ModelFileError", "ModelInfo", "RecurrentContext", "SequenceView", "SpeculantError",
     "SpeculatorConfig", "backend_kernel", "float_where", "hookimpl", "hookspec", "int_in", "load_model",
     "load_model_once",

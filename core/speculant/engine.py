@@ -16,11 +16,15 @@ import torch
 
 from speculant.adaptive import DraftLengthController
 from speculant.chain import SpeculatorChain
+from speculant.constraint import Constraint
 from speculant.errors import LimitError
 from speculant.model import Model
 from speculant.sampling import Sampler, SamplingParams, token_logprobs
 from speculant.types import Batch, Draft, DraftLimits, DraftRequest, SequenceView, TokenLogprob
 from speculant.verify import verify
+
+# The spec type of drafts made of the tokens a sequence's constraint forces (the grammar drafter).
+GRAMMAR_SPEC_TYPE = "grammar"
 
 # Prompt rows per forward. A prompt is fed in chunks of this size, one chunk per step, so that the
 # other sequences keep decoding while a long prompt is prefilled; the rest rides with the
@@ -153,6 +157,9 @@ class Sequence:
     # sequences waiting on this one).
     parent: "Sequence | None" = attrs.field(default=None, repr=False, eq=False)
     forks: list["Sequence"] = attrs.field(factory=list, repr=False, eq=False)
+    # What the sequence may emit (a grammar, a JSON schema; speculant.constraint), advanced with
+    # every token it emits; None: anything.
+    constraint: Constraint | None = attrs.field(default=None, repr=False, eq=False)
 
     def prefill_rows(self) -> list[int]:
         """The prompt's next chunk to feed (empty once the prompt is in)."""
@@ -236,7 +243,7 @@ class Engine:
     # --- sequences ---------------------------------------------------------------------
     def add(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
             spec: SpecOverride | None = None, cached: CachedPrompt | None = None, logprobs: int | None = None,
-            fork_of: Sequence | None = None) -> Sequence:
+            fork_of: Sequence | None = None, constraint: Constraint | None = None) -> Sequence:
         """Start a sequence. With `cached` (an entry from `keep`), it continues from the longest
         prefix of the entry that computes exactly as a cold start would (`reusable`): only the
         rest of the prompt is prefilled, and the speculators get `truncate` instead of `begin`, so
@@ -249,7 +256,12 @@ class Engine:
         prompt is not prefilled again; the new sequence waits until that one holds the prompt's
         rows (all but the last, whose logits each sequence computes itself) and starts from a copy
         of them: the same rows a cold start computes, bit for bit. Ignored where the target's
-        state cannot be copied (a recurrent target), with `cached`, or for another prompt."""
+        state cannot be copied (a recurrent target), with `cached`, or for another prompt.
+
+        `constraint` (speculant.constraint.Constraint, in its initial state): every token the
+        sequence emits is one it allows; the tokens it forces are drafted without asking the
+        speculators (spec type "grammar"), and a speculator's draft is cut before its first
+        token the constraint rejects."""
         if not prompt:
             raise LimitError("the prompt is empty")
         if len(prompt) >= self.config.n_ctx:
@@ -261,7 +273,8 @@ class Engine:
             self.drop_cached(cached)
             cached = None
         seq_id = cached.seq_id if cached is not None else self._new_id()
-        seq = Sequence(seq_id, list(prompt), len(prompt), max_new_tokens, Sampler(params), spec=spec, n_logprobs=logprobs)
+        seq = Sequence(seq_id, list(prompt), len(prompt), max_new_tokens, Sampler(params), spec=spec, n_logprobs=logprobs,
+                       constraint=constraint)
         seq.stats.n_prompt = len(prompt)
         if cached is None:
             seq.row_prompts = ((0, len(prompt)),)
@@ -497,7 +510,8 @@ class Engine:
                 st = self._stats(draft.spec_type)
                 st.add(len(draft), n_accepted)
                 st.verify_seconds += share
-                self.controller.observe_draft(draft.spec_type, len(draft), n_accepted)
+                if draft.spec_type != GRAMMAR_SPEC_TYPE:  # the controller plans the speculators' drafts only
+                    self.controller.observe_draft(draft.spec_type, len(draft), n_accepted)
         self._tell_accepts()
         return new
 
@@ -533,7 +547,10 @@ class Engine:
     def _propose_all(self, seqs: list[Sequence]) -> dict[int, Draft | None]:
         """The chain's drafts for all sequences in one batched call, trimmed to what pays off."""
         drafts: dict[int, Draft | None] = {seq.seq_id: None for seq in seqs}
-        asking = [seq for seq in seqs if self.chain and seq.spec_error is None and (seq.spec or _NO_OVERRIDE).types != ()]
+        forced = self._forced_drafts(seqs)
+        drafts.update(forced)
+        asking = [seq for seq in seqs if self.chain and seq.spec_error is None and (seq.spec or _NO_OVERRIDE).types != ()
+                  and seq.seq_id not in forced]
         requests = [DraftRequest(seq.view(), self._limits(seq)) for seq in asking]
         if not requests:
             return drafts
@@ -559,19 +576,43 @@ class Engine:
             if draft.probs is not None and draft.probs.shape[-1] != self.n_vocab:  # rejection sampling would fail the step
                 seq.spec_error = f"{draft.spec_type} drafted probabilities over {draft.probs.shape[-1]} tokens, the vocabulary has {self.n_vocab}"
                 continue
+            if seq.constraint is not None:  # cut before the first token the constraint rejects
+                n_valid = seq.constraint.valid_prefix(draft.tokens)
+                if n_valid < max(1, request.limits.n_min):
+                    continue
+                if n_valid < len(draft):
+                    draft = Draft(draft.tokens[:n_valid], draft.spec_type, None if draft.probs is None else draft.probs[:n_valid])
             keep = self.controller.best_length(draft.spec_type, len(draft))
             if keep < len(draft):
                 draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
             drafts[seq.seq_id] = draft
         return drafts
 
+    def _forced_drafts(self, seqs: list[Sequence]) -> dict[int, Draft]:
+        """The grammar drafter: for each constrained sequence whose constraint forces tokens now,
+        those tokens as its draft (no speculator is asked for it). Off where the sequence's
+        speculation is (`SpecOverride` types () or n_max 0)."""
+        out = {}
+        for seq in seqs:
+            if seq.constraint is None or (seq.spec or _NO_OVERRIDE).types == ():
+                continue
+            n_max = self._limits(seq).n_max
+            if n_max <= 0:
+                continue
+            tokens = [t for t in seq.constraint.forced()[:n_max] if 0 <= t < self.n_vocab]
+            if tokens:
+                out[seq.seq_id] = Draft(tuple(tokens), GRAMMAR_SPEC_TYPE)
+        return out
+
     def _verify(self, seq: Sequence, draft: Draft | None, logits: torch.Tensor, hidden: dict, n_rows: int) -> tuple[list[int], int]:
         """The tokens the step emits for seq and how many of its draft were accepted; the target's
         state cut back to what was kept (or restored, for recurrent state), the speculators told."""
         n_before = len(seq.tokens)
-        emitted, n_accepted = verify(seq.sampler, logits, draft, self.eog)
+        emitted, n_accepted = verify(seq.sampler, logits, draft, self.eog, seq.constraint)
         # Never past the budget or the context (the draft limits make this a no-op normally).
         budget = min(seq.max_new_tokens - seq.n_generated, self.config.n_ctx - n_before)
+        if seq.constraint is not None and len(emitted) > budget:
+            seq.constraint.rollback(len(emitted) - budget)
         emitted = emitted[:budget]
         n_accepted = min(n_accepted, len(emitted))
         seq.tokens.extend(emitted)
@@ -606,9 +647,10 @@ class Engine:
         return emitted, n_accepted
 
     # --- convenience -----------------------------------------------------------------------
-    def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams()) -> Iterator[int]:
+    def generate(self, prompt: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                 spec: SpecOverride | None = None, constraint: Constraint | None = None) -> Iterator[int]:
         """Generate for one sequence, yielding tokens as they are accepted."""
-        seq = self.add(prompt, max_new_tokens, params)
+        seq = self.add(prompt, max_new_tokens, params, spec, constraint=constraint)
         try:
             while seq.finish_reason is None:
                 yield from self.step()[seq.seq_id]
