@@ -19,7 +19,9 @@ What it does:
    - chat, chat-stream, completions, completions-stream, llama-completion(-stream):
      healthy temperature-0 requests, some asking for a speculation type of their own
      (`speculative.type`: one of the server's types, or "none"). Their text must equal the
-     prompt's reference, whatever else is running;
+     prompt's reference, whatever else is running. Some non-streamed chat requests ask for
+     logprobs (one entry per token) or n = 2 (both choices the reference); "tools" offers a
+     function and must call it as its reference did;
    - disconnect: a stream the client closes after a few chunks;
    - bad-json, bad-type, over-long (prompt past the context, or max_tokens >= the context),
      lone-surrogate: each must get its 4xx.
@@ -51,11 +53,16 @@ MODELS = Path(os.environ.get("SPECULANT_MODELS", Path.home() / ".cache" / "specu
 DEFAULT_MODEL = MODELS / "qwen2.5-coder-1.5b-instruct.gguf"
 
 # (kind, weight). Healthy kinds are checked against the references.
-HEALTHY = ["chat", "chat-stream", "completions", "completions-stream", "llama-completion", "llama-completion-stream"]
+HEALTHY = ["chat", "chat-stream", "completions", "completions-stream", "llama-completion", "llama-completion-stream", "tools"]
 BAD = {"bad-json": 400, "bad-type": 400, "over-long": (400, 413), "lone-surrogate": 400}
 MIX = [("chat", 6), ("chat-stream", 6), ("completions", 4), ("completions-stream", 3), ("llama-completion", 2),
-       ("llama-completion-stream", 2), ("disconnect", 2), ("bad-json", 1), ("bad-type", 1), ("over-long", 1),
-       ("lone-surrogate", 1)]
+       ("llama-completion-stream", 2), ("tools", 2), ("disconnect", 2), ("bad-json", 1), ("bad-type", 1),
+       ("over-long", 1), ("lone-surrogate", 1)]
+# Healthy non-streamed chat requests also ask, at random, for logprobs (top 3) or n = 2 choices:
+# the text must still be the reference (every choice's, at temperature 0).
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_QUESTIONS = ["What is the weather in Paris right now?", "Is it raining in Oslo?"]
 
 CODE = '''def merge_sort(values):
     if len(values) <= 1:
@@ -158,8 +165,21 @@ class Soak:
                 if r.status != 200:
                     return r.status, "", data
                 if "choices" in data:
-                    c = data["choices"][0]
-                    return r.status, (c.get("message") or {}).get("content") or c.get("text") or "", None
+                    texts = []
+                    for c in data["choices"]:
+                        message = c.get("message") or {}
+                        text = message.get("content") or c.get("text") or ""
+                        if message.get("tool_calls"):  # a call, as "name(arguments)"
+                            text += "".join(f"{t['function']['name']}({t['function']['arguments']})"
+                                            for t in message["tool_calls"])
+                        if body.get("logprobs") is True:  # one logprob entry per generated token
+                            got = len(((c.get("logprobs") or {}).get("content")) or [])
+                            if got != data["usage"]["completion_tokens"]:
+                                text += f" <{got} logprobs for {data['usage']['completion_tokens']} tokens>"
+                        texts.append(text)
+                    if len(set(texts)) > 1:  # n choices at temperature 0 must be one text
+                        return r.status, " | ".join(texts), None
+                    return r.status, texts[0], None
                 return r.status, data.get("content", ""), None
             if r.status != 200:
                 return r.status, "", await r.json(content_type=None)
@@ -184,14 +204,34 @@ class Soak:
                 if status != 200:
                     raise SystemExit(f"reference request failed: {status} {err}")
                 self.reference[(family, i)] = text
+        for i in range(len(TOOL_QUESTIONS)):
+            status, text, err = await self.generate(session, *self.tool_body(i))
+            if status != 200:
+                raise SystemExit(f"reference request failed: {status} {err}")
+            self.reference[("tools", i)] = text
+
+    def tool_body(self, i: int) -> tuple[str, dict]:
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": TOOL_QUESTIONS[i]}],
+                                        "tools": [WEATHER], "max_tokens": 48, "temperature": 0}
 
     async def healthy(self, session, kind: str) -> None:
-        family = "chat" if kind.startswith("chat") else "text"
-        i = self.rng.randrange(len(CHAT_PROMPTS) if family == "chat" else len(TEXT_PROMPTS))
+        family = "tools" if kind == "tools" else "chat" if kind.startswith("chat") else "text"
+        i = self.rng.randrange({"chat": len(CHAT_PROMPTS), "text": len(TEXT_PROMPTS), "tools": len(TOOL_QUESTIONS)}[family])
         spec = None
         if self.spec_types and self.rng.random() < 0.4:
             spec = self.rng.choice(self.spec_types + ["none", ",".join(self.spec_types)])
-        path, body = self.body(kind, family, i, spec)
+        if family == "tools":
+            path, body = self.tool_body(i)
+            if spec is not None:
+                body["speculative"] = {"type": spec}
+        else:
+            path, body = self.body(kind, family, i, spec)
+        if kind == "chat":
+            extra = self.rng.random()
+            if extra < 0.25:
+                body.update(logprobs=True, top_logprobs=3)
+            elif extra < 0.4:
+                body["n"] = 2
         t = time.perf_counter()
         status, text, err = await self.generate(session, path, body)
         self.latency[kind].append(time.perf_counter() - t)
