@@ -613,16 +613,14 @@ UNSUPPORTED = [
     # tools: the tiny model's ChatML template has no tools section (test_server_tools.py has the rest)
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"response_format": "text"}, "response_format"),
-    ({"grammar": "root ::= \"a\""}, "grammar"),
-    ({"json_schema": {}}, "json_schema"),
+    ({"response_format": "text"}, "response_format"),  # structured outputs: tests/test_server_grammar.py
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"post_sampling_probs": True}, "post_sampling_probs"),
 ]
 ACCEPTED = [{"tools": []}, {"tools": None}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"response_format": {"type": "text"}},
-            {"grammar": ""}, {"logprobs": False}]
+            {"grammar": ""}, {"logprobs": False}, {"response_format": {"type": "json_object"}},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            {"grammar": "root ::= \"a\""}, {"json_schema": {}}]
 
 
 @aiotest

@@ -112,6 +112,8 @@ class SeqStats:
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0
     n_declined: int = 0  # spec types the adaptive controller did not let draft, summed over steps
+    grammar_drafted: int = 0  # draft tokens the grammar drafter supplied (the constraint forced them)
+    grammar_accepted: int = 0
     drafts: SpecTypeStats = attrs.field(factory=SpecTypeStats)  # this sequence's drafts, all spec types
 
     @property
@@ -507,6 +509,9 @@ class Engine:
             seq.stats.decode_seconds += share
             if draft is not None:
                 seq.stats.drafts.add(len(draft), n_accepted)
+                if draft.spec_type == GRAMMAR_SPEC_TYPE:
+                    seq.stats.grammar_drafted += len(draft)
+                    seq.stats.grammar_accepted += n_accepted
                 st = self._stats(draft.spec_type)
                 st.add(len(draft), n_accepted)
                 st.verify_seconds += share

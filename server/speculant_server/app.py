@@ -21,6 +21,7 @@ from speculant.gguf import CHATML_TEMPLATE
 from speculant.logs import get_logger
 
 from speculant_server import metrics, slot_files
+from speculant_server.grammar import Grammars
 from speculant_server.protocol import (ApiError, Defaults, GenRequest, Limits, bad, check_prompt_bytes, get_bool,
                                        get_str, get_tokens, parse_chat, parse_completion, parse_json, parse_messages)
 from speculant_server.tools import ToolCallParser, parse_tools, prepare_messages, tools_error
@@ -72,6 +73,7 @@ class State:
         self.model_path = getattr(info, "path", "") or ""
         self.model_name = config.alias or (self.model_path.rsplit("/", 1)[-1] if self.model_path else "speculant")
         self.registry = metrics.make_registry(self.worker)
+        self.grammars = Grammars(self.tokenizer, engine.n_vocab)  # structured outputs (llguidance), built on first use
         self.created = int(time.time())
 
 
@@ -476,6 +478,10 @@ async def generate(request: web.Request, req: GenRequest, fmt_cls) -> web.Stream
         raise bad(f"'{key}' is {req.max_tokens}, beyond the context size of {n_ctx} tokens "
                   f"(at most {n_ctx - 1}, less the prompt)", param=key)
     max_new = n_ctx - n if req.max_tokens is None else min(req.max_tokens, n_ctx - n)
+    constraints = [None] * req.n
+    if req.grammar is not None:  # compiled and checked before queueing: a bad schema is a 400 now
+        grammar = await _blocking(state.grammars.compile, req.grammar)
+        constraints = await _blocking(lambda: [state.grammars.constraint(grammar) for _ in range(req.n)])
 
     prefix = {"chat": "chatcmpl-", "completions": "cmpl-", "completion": "cmpl-"}[req.endpoint]
     job_id = prefix + uuid.uuid4().hex[:24]
@@ -495,7 +501,7 @@ async def generate(request: web.Request, req: GenRequest, fmt_cls) -> web.Stream
 
     for i in range(req.n):
         job = Job(job_id if req.n == 1 else f"{job_id}/{i}", req.endpoint, prompt, max_new, choice_params(req.params, i),
-                  req.stops, emitter(i), req.spec, req.cache_prompt, logprobs=req.logprobs)
+                  req.stops, emitter(i), req.spec, req.cache_prompt, logprobs=req.logprobs, constraint=constraints[i])
         job.settings = fmt.settings
         jobs.append(job)
     jobs[0].siblings = jobs[1:]

@@ -246,6 +246,7 @@ class GenRequest:
     n: int = 1  # choices, each its own sequence on the shared prompt
     logprobs: int | None = None  # top tokens to report with each token's logprob (None: no logprobs)
     tools: Any = None  # chat: a tools.ToolRequest when tools may be called
+    grammar: GrammarSpec | None = None  # structured output: response_format, grammar or json_schema
 
 
 def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:
@@ -340,12 +341,67 @@ def parse_messages(body: dict, limits: Limits | None = None) -> list[dict]:
 
 
 # Fields that would change what is generated or returned: rejected until they are supported,
-# rather than ignored (a client asking for JSON output must not get free text it takes for JSON).
-# Each maps to the values that ask for nothing and are accepted.
-UNSUPPORTED = {
-    "response_format": (None, {"type": "text"}),
-    "grammar": (None, ""), "json_schema": (None,), "post_sampling_probs": (None, False),
-}
+# rather than ignored. Each maps to the values that ask for nothing and are accepted.
+UNSUPPORTED = {"post_sampling_probs": (None, False)}
+
+ANY_JSON_OBJECT = {"type": "object"}
+
+
+@attrs.frozen
+class GrammarSpec:
+    """A structured-output request: kind "json" (value: a JSON schema) or "gbnf" (value: GBNF
+    text), and the field it came from (errors name it). Compiled by speculant_server.grammar."""
+
+    kind: str
+    value: Any
+    param: str
+
+
+def get_grammar(body: dict) -> GrammarSpec | None:
+    """OpenAI's `response_format` (json_object, json_schema) and llama-server's `grammar` (GBNF)
+    and `json_schema`; at most one of them. Only the shapes are checked here; whether a schema
+    or grammar is valid is the grammar engine's to say (speculant_server.grammar)."""
+    found = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise bad("'response_format' must be an object with a 'type': \"text\", \"json_object\" or \"json_schema\"",
+                      param="response_format")
+        kind = rf["type"]
+        if kind == "json_object":
+            schema = rf.get("schema", ANY_JSON_OBJECT)  # llama-server takes a schema here too
+            if not isinstance(schema, dict):
+                raise bad(f"'response_format.schema' must be an object, got {_json_type(schema)}", param="response_format")
+            found.append(GrammarSpec("json", schema, "response_format"))
+        elif kind == "json_schema":
+            wrapper = rf.get("json_schema")
+            if not isinstance(wrapper, dict):
+                raise bad("'response_format.json_schema' must be an object: {\"name\": ..., \"schema\": {...}, \"strict\": ...}",
+                          param="response_format")
+            if wrapper.get("name") is not None and not isinstance(wrapper["name"], str):
+                raise bad("'response_format.json_schema.name' must be a string", param="response_format")
+            if wrapper.get("strict") is not None and not isinstance(wrapper["strict"], bool):
+                raise bad("'response_format.json_schema.strict' must be a boolean", param="response_format")
+            schema = wrapper.get("schema", {})
+            if not isinstance(schema, dict):
+                raise bad(f"'response_format.json_schema.schema' must be an object, got {_json_type(schema)}",
+                          param="response_format")
+            found.append(GrammarSpec("json", schema, "response_format"))
+        elif kind != "text":
+            raise bad(f"'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", got {kind!r:.40}",
+                      param="response_format")
+    schema = body.get("json_schema")
+    if schema is not None:
+        if not isinstance(schema, dict):
+            raise bad(f"'json_schema' must be an object (a JSON schema), got {_json_type(schema)}", param="json_schema")
+        found.append(GrammarSpec("json", schema, "json_schema"))
+    grammar = get_str(body, "grammar", "")
+    if grammar:
+        found.append(GrammarSpec("gbnf", grammar, "grammar"))
+    if len(found) > 1:
+        raise bad(f"only one of 'response_format', 'json_schema' and 'grammar' may ask for a structure; got "
+                  f"{' and '.join(repr(f.param) for f in found)}", param=found[1].param)
+    return found[0] if found else None
 
 
 def _unsupported(body: dict) -> None:
@@ -398,7 +454,8 @@ def _common(body: dict, endpoint: str, defaults: Defaults, enabled: list[str], k
     return GenRequest(endpoint, max_tokens=_max_tokens(body, keys, defaults.n_predict),
                       params=sampling_params(body, defaults.params), stops=get_stop(body, limits), stream=stream,
                       include_usage=include_usage, spec=spec_override(body, enabled, known),
-                      cache_prompt=get_bool(body, "cache_prompt", True), n=n, logprobs=logprobs)
+                      cache_prompt=get_bool(body, "cache_prompt", True), n=n, logprobs=logprobs,
+                      grammar=get_grammar(body))
 
 
 def parse_chat(body: dict, defaults: Defaults, enabled: list[str], known: list[str],

@@ -70,6 +70,7 @@ class Job:
     cache_prompt: bool = True  # continue from a kept state sharing a prefix with the prompt (llama-server's field)
     settings: dict = attrs.field(factory=dict)  # what /slots shows
     logprobs: int | None = None  # record logprobs with this many top tokens (None: none)
+    constraint: Any = None  # a speculant.Constraint for structured output (its own, one per job)
     siblings: list["Job"] = attrs.field(factory=list)  # the other choices of an n > 1 request, admitted with this one
     cancelled: bool = False
     aborted: bool = False  # cancelled by the server's shutdown, not by its client (abort_running)
@@ -332,7 +333,7 @@ class EngineWorker:
         cached = self.cache.take(slot, job.prompt, job.cache_prompt and fork_of is None)
         try:
             seq = self.engine.add(job.prompt, job.max_new_tokens, job.params, job.spec, cached=cached,
-                                  logprobs=job.logprobs, fork_of=fork_of)
+                                  logprobs=job.logprobs, fork_of=fork_of, constraint=job.constraint)
         except LimitError as e:  # raised before the entry is touched: the slot keeps it
             self.cache.put(slot, cached)
             job.finished = True
@@ -429,9 +430,13 @@ class EngineWorker:
                  queued_ms=round((job.t_start - job.t_queued) * 1e3, 1), prompt_ms=round(timings["prompt_ms"], 1),
                  predicted_ms=round(timings["predicted_ms"], 1), tok_s=round(timings["predicted_per_second"], 2),
                  spec_type=",".join(types) or "none", drafts=seq.stats.n_drafts, drafted=seq.stats.n_drafted,
-                 accepted=seq.stats.n_accepted, declined=seq.stats.n_declined)
+                 accepted=seq.stats.n_accepted, declined=seq.stats.n_declined,
+                 **({"grammar_drafted": seq.stats.grammar_drafted, "grammar_accepted": seq.stats.grammar_accepted}
+                    if job.constraint is not None else {}))
         if seq.spec_error:
             log.warning("speculator failed; the request went on with plain decoding", id=job.id, error=seq.spec_error)
+        if getattr(job.constraint, "error", None):
+            log.warning("the grammar engine failed; the request ended there", id=job.id, error=job.constraint.error)
         if finish_reason not in ("cancelled", "shutdown"):
             job.emit(("done", Done(finish_reason, stop_type, word, len(job.prompt), job.n_generated, timings, job.slot,
                                        seq.n_reused)))

@@ -14,7 +14,7 @@ from speculant.gguf.tokenizer.chat import ChatPrompt
 from speculant.gguf.tokenizer.detokenize import Pieces, StreamDecoder
 from speculant.gguf.tokenizer.special import SpecialTokens
 from speculant.gguf.tokenizer.spm import SpmEncoder
-from speculant.gguf.tokenizer.vocab import (ATTR_CONTROL, Vocabulary, VocabSettings, chat_template_of,
+from speculant.gguf.tokenizer.vocab import (ATTR_CONTROL, ATTR_USER_DEFINED, Vocabulary, VocabSettings, chat_template_of,
                                             mark_special_tokens, read_settings, read_vocabulary)
 
 
@@ -112,6 +112,10 @@ class Tokenizer:
 
     def is_control(self, id: int) -> bool:
         return bool(self._attrs[id] & ATTR_CONTROL)
+
+    def is_user_defined(self, id: int) -> bool:
+        """A token the model's authors added (Qwen's `<tool_call>`): always matched as a whole."""
+        return bool(self._attrs[id] & ATTR_USER_DEFINED)
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special=skip_special)
