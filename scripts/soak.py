@@ -412,7 +412,8 @@ class Soak:
 def start_server(args) -> tuple[subprocess.Popen, str, Path]:
     port = args.port or free_port()
     log_path = Path(args.server_log)
-    cmd = [str(ROOT / ".venv" / "bin" / "speculant"), "serve", "-m", str(args.model), "-np", "4", "-c", str(args.ctx_size),
+    # this interpreter, so the server runs the same speculant as the soak (a venv, or a tree on PYTHONPATH)
+    cmd = [sys.executable, "-m", "speculant.cli", "serve", "-m", str(args.model), "-np", "4", "-c", str(args.ctx_size),
            "--port", str(port)]
     if args.spec_type:
         cmd += ["--spec-type", args.spec_type]
