@@ -75,6 +75,10 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
     assert np.abs(alone.numpy() - expected).max() <= 2e-6 * np.abs(expected).max()
     for m in (2, 3, 8, 9, 16, 70):  # tiles of 8 rows, their remainders, and the many-row path
         assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows"
+    if qtype not in K_QUANTS:  # the modes are the K-quants' arithmetic; other types take decode's in any mode
+        for mode in (1, 2):
+            for m in (1, 8, 70):
+                assert torch.equal(run_mode(raw, qtype, n, k, x[:m], mode), alone[:m]), f"mode {mode}, {m} rows"
 
 
 def _path_threshold(setter):

@@ -110,7 +110,10 @@ enum Mode { LLAMA_DECODE = 0, LLAMA_PROMPT = 1, Q6K_CANON = 2 };
 
 // The body of spk_linear and spk_linear_prompt.
 static int linear(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, Mode mode) {
-    const bool prompt = mode == LLAMA_PROMPT, canon = mode == Q6K_CANON && qtype == T_Q6_K;
+    // The modes are the K-quants' arithmetic: for the 32-value blocks every mode is decode's
+    // (mode 1 sent them to the Q6_K prompt kernel, which read past their activation buffers).
+    const bool k_quant = qtype == T_Q4_K || qtype == T_Q6_K;
+    const bool prompt = mode == LLAMA_PROMPT && k_quant, canon = mode == Q6K_CANON && qtype == T_Q6_K;
     Pool& p = pool();
     const int bv = block_values(qtype);
     const int nb = (int)(k / bv);
