@@ -575,6 +575,12 @@ async def test_server_requests_complete_past_a_hung_speculator(model, where):
             assert await asyncio.wait_for(texts(c, bodies[:3]), 20) == want[:3]
             assert engine.spec_stats["test-lookup"].drafts > 0  # the rest of the chain drafts on
             assert (await c.get("/health")).status == 200
+            # an operator sees it: /props names it and why, /metrics has a gauge to alert on
+            quarantined = (await (await c.get("/props")).json())["speculative"]["quarantined"]
+            assert list(quarantined) == ["test-slow"] and "did not return within" in quarantined["test-slow"]
+            metrics = await (await c.get("/metrics")).text()
+            assert 'speculant:spec_quarantined{spec_type="test-slow"} 1.0' in metrics
+            assert 'speculant:spec_quarantined{spec_type="test-lookup"} 0.0' in metrics
         finally:
             spec.release.set()
 

@@ -689,7 +689,9 @@ async def props(request: web.Request):
         "modalities": {"vision": False, "audio": False}, "endpoint_slots": True, "endpoint_metrics": True,
         "speculative": {"types": state.spec_enabled, "available": state.spec_known, "n_max": c.draft_n_max,
                         "n_min": c.draft_n_min, "p_min": c.draft_p_min, "adaptive": c.adaptive,
-                        "draft_model": state.config.draft_model},
+                        "draft_model": state.config.draft_model,
+                        # spec type -> why, for those the watchdog took out (see --spec-deadline)
+                        "quarantined": {name: str(why) for name, why in dict(state.engine.chain.quarantined).items()}},
     })
 
 

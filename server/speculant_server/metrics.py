@@ -68,6 +68,14 @@ class ServerCollector:
             for i, n in enumerate(s.accepted_at if s else ()):
                 per_pos.add_metric([name, str(i)], n)
         yield from (drafts, drafted, accepted, declined, per_pos)
+        # A speculator whose call did not return in time is quarantined for the engine's life:
+        # worth an alert, since its sequences decode without it until a restart.
+        quarantined = GaugeMetricFamily(p + "spec_quarantined", "1 for a spec type quarantined after a call that did "
+                                        "not return within --spec-deadline (until restart), else 0.", labels=["spec_type"])
+        gone = w.engine.chain.quarantined
+        for name in w.spec_types:
+            quarantined.add_metric([name], 1.0 if name in gone else 0.0)
+        yield quarantined
 
 
 def make_registry(worker) -> CollectorRegistry:
