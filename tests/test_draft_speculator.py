@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl
-from speculant.adaptive import PROBE_EVERY, DraftLengthController
+from speculant.adaptive import PROBE_EVERY, PROBE_EVERY_MAX, DraftLengthController
 from speculant.chain import SpeculatorChain
 from speculant.engine import Engine, EngineConfig, SpecOverride
 from speculant.loader import load_model
@@ -346,16 +346,21 @@ def test_controller_counts_draft_cost_of_calls_without_tokens():
     for _ in range(30):
         c.observe_cost("x", 0.050, 0)
     assert c.plan("x", 8) == 0 and c.best_length("x", 8) == 8  # too costly to draft; once drafted, verify
+    # a costly speculator is probed more seldom than a cheap one: the probe's cost is budgeted
+    interval = c.probe_interval("x")
+    assert PROBE_EVERY < interval <= PROBE_EVERY_MAX
     declined = []
-    for _ in range(PROBE_EVERY * 2 + 1):
+    while declined.count(2) < 4 and len(declined) < 3 * PROBE_EVERY_MAX:
         declined.append(c.plan("x", 8))
         if declined[-1]:
             before = c.costs["x"].seconds
-            c.observe_cost("x", 5.0, 2)
+            c.observe_cost("x", 5.0 if declined.count(2) % 2 == 1 else 0.05, 2)
             first_probe_call = declined.count(2) % 2 == 1
             assert (c.costs["x"].seconds == before) == first_probe_call
     # probed now and then: two drafts in a row, the first one's cost (catching up) not counted
+    assert declined.index(2) == interval - 2 and declined[interval - 1] == 2  # (one declined above)
     assert declined.count(2) == 4 and set(declined) == {0, 2}
+    assert c.catch_up["x"] == 5.0 and c.probe_interval("x") == PROBE_EVERY_MAX  # a 5 s catch-up: seldom
 
 
 def test_controller_lengthens_drafts_that_are_always_accepted():

@@ -16,19 +16,27 @@ Two decisions use it:
   for then, so only verification cost counts.
 
 Acceptance is tracked per spec type with exponential forgetting, the forward cost per row count.
-A declined spec type is still probed now and then so it can win back when text turns repetitive.
+A declined spec type is still probed now and then so it can win back when text turns repetitive,
+as often as PROBE_BUDGET of plain decoding's time pays for (`probe_interval`).
 A probe is two drafts in a row for one sequence, and only the second one's cost is counted: a
 speculator that was not asked for a while may first catch up on what it missed (a draft model
 feeds the tokens of all the steps it sat out), which is not what drafting costs it.
 """
 from __future__ import annotations
 
+import math
+
 import attrs
 
 DECAY = 0.98  # per observation: acceptance estimates follow the last ~50 drafts
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 1.0  # the first position's prior; each later one shrinks toward the one before
-PROBE_EVERY = 16  # after this many declined drafts in a row, let one through to refresh the estimate
+PROBE_EVERY = 16  # at least this many declined drafts in a row before one is let through to refresh the estimate
 PROBE_LENGTH = 2
+# What probing a declined speculator may cost, as a share of plain decoding's time: its interval
+# grows with what a probe costs (its drafting, its catching up, its extra verification rows), so
+# a costly draft model is probed seldom and a cheap n-gram lookup often.
+PROBE_BUDGET = 0.03
+PROBE_EVERY_MAX = 1024
 FIRST_DRAFT = 4  # most tokens a spec type drafts before its cost is known (a draft model pays per token)
 COST_DECAY = 0.9  # per observation of a speculator's cost: follows the last ~10 calls
 
@@ -119,6 +127,7 @@ class DraftLengthController:
     costs: dict[str, DraftCost] = attrs.field(factory=dict)
     declined_in_a_row: dict[str, int] = attrs.field(factory=dict)
     probing: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> probe drafts to go
+    catch_up: dict[str, float] = attrs.field(factory=dict)  # spec type -> seconds of its last probe's first call
 
     def observe_forward(self, rows: int, seconds: float) -> None:
         self.forward.observe(rows, seconds)
@@ -131,6 +140,7 @@ class DraftLengthController:
         """One call of a speculator for one sequence: its seconds and the tokens it produced (0 too)."""
         if self.probing.get((spec_type, seq_id)) == 2:  # a probe's first draft: catching up, not drafting
             self.probing[(spec_type, seq_id)] = 1
+            self.catch_up[spec_type] = seconds  # what the next probe's interval must pay for
             return
         self.probing.pop((spec_type, seq_id), None)
         self.costs.setdefault(spec_type, DraftCost()).observe(seconds, n_tokens)
@@ -183,13 +193,28 @@ class DraftLengthController:
         if k == 0:
             streak = self.declined_in_a_row.get(spec_type, 0) + 1
             self.declined_in_a_row[spec_type] = streak
-            if streak >= PROBE_EVERY:
+            if streak >= self.probe_interval(spec_type):
                 self.declined_in_a_row[spec_type] = 0
                 self.probing[(spec_type, seq_id)] = 2
                 return min(n_max, PROBE_LENGTH)
             return 0
         self.declined_in_a_row[spec_type] = 0
         return k
+
+    def probe_interval(self, spec_type: str) -> int:
+        """Declined drafts in a row before a probe: enough plain steps that the probe's cost, if
+        it finds nothing, stays within PROBE_BUDGET of their time. A probe costs its catching up
+        (as the last one measured), two drafts of PROBE_LENGTH tokens and two verifications of
+        PROBE_LENGTH rows more than a plain step's. (Catching up grows with the interval: a draft
+        model feeds every token it sat out. That share, its prefill cost over the target's decode
+        cost, about 3-4% for the 0.5B under the 1.5B, is the floor of what a declined draft model
+        costs while it may still be probed.)"""
+        t1 = self.forward.cost(1)
+        if not t1:
+            return PROBE_EVERY
+        extra_rows = max(0.0, (self.forward.cost(1 + PROBE_LENGTH) or t1) - t1)
+        probe = self.catch_up.get(spec_type, 0.0) + 2 * (PROBE_LENGTH * self.draft_cost(spec_type) + extra_rows)
+        return int(min(PROBE_EVERY_MAX, max(PROBE_EVERY, math.ceil(probe / (PROBE_BUDGET * t1)))))
 
     def best_length(self, spec_type: str, n: int) -> int:
         """How many of the n drafted tokens are worth verifying (at least 1: the decision to

@@ -1,0 +1,87 @@
+"""The adaptive draft length against measured forward costs: a speculator whose drafts are mostly
+rejected must be declined quickly, so speculation never loses more than 5% to plain decoding on
+any kernel path, and one whose drafts are accepted must still pay off.
+
+The cost profiles are target forwards of the 1.5B model over 1-16 rows after 1024 cached tokens
+(`speculant bench --kernels --kernels-context 1024`), measured on three CPUs: with AMX, the same
+box with SPECULANT_AMX=0 (2026-11-24, docs/benchmarks.md), and a 2-core Xeon without AMX where a
+16-row verification cost 3x a plain step (issue 21). The engine's loop is replayed with the
+controller's own calls (plan, best_length, observe_*), the draft's fate drawn from a seeded
+acceptance stream, and each forward's time from the profile with +-10% noise.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from speculant.adaptive import DraftLengthController
+
+PROFILES = {  # rows -> ms per forward
+    "amx": {1: 53.4, 2: 61.0, 4: 71.8, 8: 88.4, 16: 101.7},
+    "avx512-vnni (AMX=0)": {1: 53.7, 2: 60.7, 4: 72.2, 8: 116.1, 16: 136.4},
+    "avx512-vnni, no AMX (issue 21's box)": {1: 94.8, 2: 113.0, 4: 120.0, 8: 173.0, 16: 284.0},
+}
+
+
+def forward_ms(profile: dict[int, float], rows: int) -> float:
+    known = sorted(profile)
+    if rows in profile:
+        return profile[rows]
+    lo = max(r for r in known if r < rows) if rows > known[0] else known[0]
+    hi = min((r for r in known if r > rows), default=known[-1])
+    if hi == lo:  # past the last point: its slope
+        a, b = known[-2], known[-1]
+        return profile[b] + (profile[b] - profile[a]) / (b - a) * (rows - b)
+    return profile[lo] + (profile[hi] - profile[lo]) * (rows - lo) / (hi - lo)
+
+
+def replay(profile, accept_p: float, draft_ms_per_call: float, draft_ms_per_token: float, catch_up_ms_per_token=0.0,
+           n_tokens=3000, n_max=16, seed=0) -> float:
+    """Seconds per emitted token of speculative decoding, over plain decoding's (1.0 = even). A
+    speculator not asked for a while first feeds the tokens it missed (a draft model's prefill:
+    `catch_up_ms_per_token`)."""
+    rng = random.Random(seed)
+    noisy = lambda ms: ms / 1e3 * rng.uniform(0.9, 1.1)
+    c = DraftLengthController()
+    spent, emitted, fed = 0.0, 0, 0
+    while emitted < n_tokens:
+        k = c.plan("spec", n_max)
+        draft_len = 0
+        if k > 0:
+            draft_len = k  # the speculator drafts all it may
+            cost = (draft_ms_per_call + draft_ms_per_token * draft_len + catch_up_ms_per_token * (emitted - fed)) / 1e3
+            fed = emitted
+            spent += cost
+            c.observe_cost("spec", cost, draft_len)
+            draft_len = c.best_length("spec", draft_len)
+        t = noisy(forward_ms(profile, 1 + draft_len))
+        spent += t
+        c.observe_forward(1 + draft_len, t)
+        accepted = 0
+        while accepted < draft_len and rng.random() < accept_p:
+            accepted += 1
+        if draft_len:
+            c.observe_draft("spec", draft_len, accepted)
+        emitted += accepted + 1
+    return (spent / emitted) / (profile[1] / 1e3)
+
+
+@pytest.mark.parametrize("path", list(PROFILES))
+@pytest.mark.parametrize("accept_p", [0.0, 0.05, 0.15, 0.3])
+@pytest.mark.parametrize("speculator", ["ngram", "draft-model"])
+def test_mostly_rejected_drafts_cost_at_most_5_percent(path, accept_p, speculator):
+    # an n-gram lookup: 0.3 ms a call; a draft model (the 0.5B, a third of the 1.5B's work): 15 ms
+    # a drafted token, 2 ms a token it catches up on (the 1.5B prefills 5 ms a token here)
+    costs = (0.3, 0.0, 0.0) if speculator == "ngram" else (2.0, 15.0, 2.0)
+    ratios = [replay(PROFILES[path], accept_p, *costs, seed=s) for s in range(3)]
+    assert max(ratios) <= 1.05, f"{path}, acceptance {accept_p}: {ratios}"
+
+
+@pytest.mark.parametrize("path", list(PROFILES))
+def test_accepted_drafts_still_pay(path):
+    """The other side: the controller must not be so shy that good drafts are lost."""
+    ngram = replay(PROFILES[path], 0.9, 0.3, 0.0)
+    assert ngram < 0.5, f"{path}: {ngram}"  # a copied answer: more than twice as fast
+    draft_model = replay(PROFILES[path], 0.8, 2.0, 15.0, 2.0)
+    assert draft_model < 0.9, f"{path}: {draft_model}"
