@@ -14,7 +14,7 @@ from test_verification import CHI2_CRIT_31_DF, BiasedDrafter, chi_square, prompt
 from toy_models import EOS, N_VOCAB, ToyModel, ToyRecurrentModel, _logits, _next_hash
 
 PROMPT = [3, 1, 4]
-NO_SPEC = SpecOverride(types=())  # plain decoding: no speculator, no grammar drafter
+NO_SPEC = SpecOverride(n_max=0)  # plain decoding: no drafts at all, the grammar drafter's neither
 
 
 class ToyGrammar:
@@ -122,6 +122,8 @@ def test_speculation_equals_constrained_plain_decoding(model_cls, temperature, s
         out, g, engine = run(model_cls(), speculators, params, 40)
         assert out == plain, speculators
         assert g.history == out  # the constraint followed exactly the emitted tokens
+    out, _, engine = run(model_cls(), [Echo()], params, 40, spec=SpecOverride(types=()))
+    assert out == plain and "echo" not in engine.spec_stats  # no speculator; the grammar drafter still drafts
 
 
 def test_forced_tokens_are_drafted_by_the_grammar_drafter():

@@ -595,11 +595,11 @@ class Engine:
 
     def _forced_drafts(self, seqs: list[Sequence]) -> dict[int, Draft]:
         """The grammar drafter: for each constrained sequence whose constraint forces tokens now,
-        those tokens as its draft (no speculator is asked for it). Off where the sequence's
-        speculation is (`SpecOverride` types () or n_max 0)."""
+        those tokens as its draft (no speculator is asked for it). It is not a speculator of the
+        chain: `SpecOverride.types` () leaves it on, n_max 0 (no drafts at all) turns it off."""
         out = {}
         for seq in seqs:
-            if seq.constraint is None or (seq.spec or _NO_OVERRIDE).types == ():
+            if seq.constraint is None:
                 continue
             n_max = self._limits(seq).n_max
             if n_max <= 0:
