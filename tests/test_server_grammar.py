@@ -61,7 +61,7 @@ async def test_json_schema_on_every_endpoint_parses_validates_and_equals_plain_d
             fields = [{"json_schema": SCHEMA}] + ([{"response_format": RESPONSE_FORMAT}] if path != "/completion" else [])
             for field in fields:
                 outs = []
-                for spec in ({}, {"speculative.type": "none"}):
+                for spec in ({}, {"speculative.n_max": 0}):  # with speculation; constrained plain decoding
                     status, body = await post(c, path, {**base, **field, **spec, "temperature": 0})
                     assert status == 200, body
                     outs.append(text_of(body))
@@ -168,3 +168,33 @@ async def test_bad_schemas_and_grammars_are_400s_naming_the_problem(model):
         for field in ({"response_format": {"type": "text"}}, {"grammar": ""}):
             status, body = await post(c, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, **field})
             assert status == 200, body
+
+
+def test_forced_tool_calls_are_held_to_the_function_schema(model):
+    """tool_choice named or required: the call's rest (after the opening the prompt holds) is
+    the function's arguments, valid against its parameters schema, then `}`, a newline and
+    `</tool_call>` (the tiny vocabulary has no such token: its text)."""
+    from speculant_server.grammar import Grammars, tool_call_grammar
+    from speculant_server.tools import parse_tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time"}}
+    tok = model.tokenizer
+    grammars = Grammars(tok, model.info.n_vocab)
+
+    def accepts(request, text):
+        c = grammars.constraint(grammars.compile(tool_call_grammar(request, tok)))
+        ids = tok.encode(text, add_special=False, parse_special=False)
+        return c.valid_prefix(ids) == len(ids)
+
+    named = parse_tools({"tools": [weather, clock], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert accepts(named, '{"city": "Oslo", "unit": "C"}}\n</tool_call>')
+    assert not accepts(named, '{"city": "Oslo"}}\n</tool_call>')  # unit is required
+    assert not accepts(named, '{"city": "Oslo", "unit": "K"}}\n</tool_call>')
+    required = parse_tools({"tools": [weather, clock], "tool_choice": "required"})
+    assert accepts(required, 'get_time", "arguments": {}}\n</tool_call>')
+    assert accepts(required, 'get_weather", "arguments": {"city": "Oslo", "unit": "F"}}\n</tool_call>')
+    assert not accepts(required, 'get_date", "arguments": {}}\n</tool_call>')
+    assert tool_call_grammar(parse_tools({"tools": [weather]}), tok) is None  # auto: the model decides

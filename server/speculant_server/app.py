@@ -21,7 +21,7 @@ from speculant.gguf import CHATML_TEMPLATE
 from speculant.logs import get_logger
 
 from speculant_server import metrics, slot_files
-from speculant_server.grammar import Grammars
+from speculant_server.grammar import Grammars, tool_call_grammar
 from speculant_server.protocol import (ApiError, Defaults, GenRequest, Limits, bad, check_prompt_bytes, get_bool,
                                        get_str, get_tokens, parse_chat, parse_completion, parse_json, parse_messages)
 from speculant_server.tools import ToolCallParser, parse_tools, prepare_messages, tools_error
@@ -479,8 +479,11 @@ async def generate(request: web.Request, req: GenRequest, fmt_cls) -> web.Stream
                   f"(at most {n_ctx - 1}, less the prompt)", param=key)
     max_new = n_ctx - n if req.max_tokens is None else min(req.max_tokens, n_ctx - n)
     constraints = [None] * req.n
-    if req.grammar is not None:  # compiled and checked before queueing: a bad schema is a 400 now
-        grammar = await _blocking(state.grammars.compile, req.grammar)
+    # A forced tool call (tool_choice required or named) is held to its function's schema; it
+    # takes the place of response_format, which is for the text answer a forced call replaces.
+    spec = (tool_call_grammar(req.tools, state.tokenizer) if req.tools is not None else None) or req.grammar
+    if spec is not None:  # compiled and checked before queueing: a bad schema is a 400 now
+        grammar = await _blocking(state.grammars.compile, spec)
         constraints = await _blocking(lambda: [state.grammars.constraint(grammar) for _ in range(req.n)])
 
     prefix = {"chat": "chatcmpl-", "completions": "cmpl-", "completion": "cmpl-"}[req.endpoint]

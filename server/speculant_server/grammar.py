@@ -12,6 +12,7 @@ tokens as its EOS. It is built once per server, on the first request that needs 
 """
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any, Sequence
 
@@ -88,6 +89,8 @@ class Grammars:
         try:
             if spec.kind == "json":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
+            elif spec.kind == "lark":
+                grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.value))
         except Exception as e:
@@ -104,7 +107,40 @@ class Grammars:
 
 
 def _what(spec: GrammarSpec) -> str:
-    return "JSON schema" if spec.kind == "json" else "GBNF grammar"
+    return {"json": "JSON schema", "gbnf": "GBNF grammar"}.get(spec.kind, "set of tools (their parameters schemas)")
+
+
+def tool_call_grammar(tools, tokenizer, close: str = "</tool_call>") -> GrammarSpec | None:
+    """The rest of a Hermes tool call after the opening the prompt already holds
+    (tools.ToolRequest.prefix()), as a llguidance Lark grammar: for a named function its
+    arguments, valid against its `parameters` schema, then `}`, a newline and `</tool_call>`;
+    under "required" with several tools first one of their names, then that function's arguments
+    likewise. One call (the end-of-turn token comes next). None where no call is forced."""
+    if tools.choice not in ("function", "required"):
+        return None
+    ids = tokenizer.encode(close, add_special=False, parse_special=True)
+    end = f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in _specials(tokenizer, ids) else json.dumps(close)
+
+    def args(fn: dict) -> str:
+        schema = fn.get("parameters") or {"type": "object"}
+        return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}})
+
+    fns = {t["function"]["name"]: t["function"] for t in tools.tools}
+    lines = ["%llguidance {}"]
+    if tools.choice == "function":
+        lines += [f'start: args "}}\\n" {end}', f"args: {args(fns[tools.name])}"]
+    else:
+        names = list(fns)
+        lines.append("start: " + " | ".join(f"call_{i}" for i in range(len(names))))
+        for i, name in enumerate(names):
+            head = json.dumps(name + '", "arguments": ')  # the name's end and the arguments' key, as a Lark string
+            lines.append(f'call_{i}: {head} args_{i} "}}\\n" {end}')
+            lines.append(f"args_{i}: {args(fns[name])}")
+    return GrammarSpec("lark", "\n".join(lines) + "\n", "tools")
+
+
+def _specials(tokenizer, ids: list[int]) -> set[int]:
+    return {i for i in ids if tokenizer.is_control(i) or getattr(tokenizer, "is_user_defined", lambda i: False)(i)}
 
 
 class GrammarConstraint:

@@ -8,10 +8,11 @@ Hermes' (Qwen2.5, Qwen3, Hermes): each call is `<tool_call>\n{"name": ..., "argu
 
 `tool_choice` "required" and a named function are kept by starting the assistant's answer with
 the opening of a call (`<tool_call>\n{"name": "` and, named, the name and `"arguments": `): the
-model continues a call it cannot decline. Only the offered functions are calls: a call to any
-other name stays in the content. The arguments are the model's, and so is the name under
-"required" with several tools: until a grammar engine constrains them (issue 23), they are not
-checked against the schemas.
+model continues a call it cannot decline; the rest of the call is then held by a grammar
+(speculant_server.grammar.tool_call_grammar): under "required" one of the offered names, and the
+arguments valid against that function's `parameters` schema, then `}` and `</tool_call>`. Only
+the offered functions are calls: a call to any other name (possible under "auto") stays in the
+content.
 """
 from __future__ import annotations
 
