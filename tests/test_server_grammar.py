@@ -175,6 +175,7 @@ def test_forced_tool_calls_are_held_to_the_function_schema(model):
     the function's arguments, valid against its parameters schema, then `}`, a newline and
     `</tool_call>` (the tiny vocabulary has no such token: its text)."""
     from speculant_server.grammar import Grammars, tool_call_grammar
+    from speculant_server.protocol import ApiError
     from speculant_server.tools import parse_tools
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -198,3 +199,7 @@ def test_forced_tool_calls_are_held_to_the_function_schema(model):
     assert accepts(required, 'get_weather", "arguments": {"city": "Oslo", "unit": "F"}}\n</tool_call>')
     assert not accepts(required, 'get_date", "arguments": {}}\n</tool_call>')
     assert tool_call_grammar(parse_tools({"tools": [weather]}), tok) is None  # auto: the model decides
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "foo"}}}}}
+    with pytest.raises(ApiError) as e:
+        grammars.compile(tool_call_grammar(parse_tools({"tools": [broken], "tool_choice": "required"}), tok))
+    assert e.value.status == 400 and e.value.extra["param"] == "tools" and "foo" in e.value.message
