@@ -150,6 +150,21 @@ def test_drafts_equal_a_fresh_computation(tiny):
                 assert t2d[token] == int(top2.indices[0]), f"draft token {j} differs from a fresh computation"
 
 
+def test_a_long_prompt_is_written_into_the_head_in_pieces(tiny):
+    """The head catches up on a prompt CATCH_UP_ROWS rows a forward: all at once, a long prompt's
+    temporaries doubled the head's memory (peak RSS), and greedy output stays plain decoding's."""
+    from speculant_eagle3.speculator import CATCH_UP_ROWS
+
+    spec = make(tiny)[0]
+    sizes = []
+    original = spec.head.decode
+    spec.head.decode = lambda batch, *a, **k: sizes.append(len(batch)) or original(batch, *a, **k)
+    prompt = prompts(1, 5 * CATCH_UP_ROWS + 7, seed=4)[0]
+    _, (out,) = run(tiny.target, [prompt], 12, [spec])
+    assert max(sizes) <= CATCH_UP_ROWS and sum(1 for n in sizes if n == CATCH_UP_ROWS) >= 5
+    assert out == run(tiny.target, [prompt], 12)[1][0]
+
+
 def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):
     """At temperature > 0 drafts come with the head's distribution over the target vocabulary
     (rejection sampling); the first tokens are distributed as plain sampling's (chi-square)."""
