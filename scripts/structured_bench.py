@@ -70,6 +70,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--spec", default="ngram-simple", help="the speculative.type of the speculative cases, ';' between cases")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
     args = ap.parse_args()
     schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA}}}
     cases = {"free, plain": {"speculative.n_max": 0}}
@@ -77,6 +78,7 @@ def main():
     cases["schema, plain"] = {"speculative.n_max": 0, **schema}
     cases["schema, grammar drafter only"] = {"speculative.type": "none", **schema}
     cases.update({f"schema, grammar + {t}": {"speculative.type": t, **schema} for t in args.spec.split(";")})
+    cases = {k: v for k, v in cases.items() if args.only in k}
     rates: dict[str, list[float]] = {k: [] for k in cases}
     for r in range(args.rounds):
         for name, extra in cases.items():
