@@ -163,6 +163,9 @@ def test_constraint_in_an_error_state_ends_the_sequence():
         def advance(self, token):
             self.history.append(token)
 
+        def valid_prefix(self, tokens):
+            return 0
+
     out, g, engine = run(ToyModel(), [], SamplingParams(), 10, constraint_cls=Nothing)
     assert out == [EOS] and engine.last_sequence.finish_reason == "stop"
 
@@ -222,3 +225,25 @@ def test_rejection_sampling_under_a_constraint_gives_constrained_sampling():
 
 def test_the_toy_grammar_is_a_constraint():
     assert isinstance(ToyGrammar(), Constraint)
+
+
+def test_greedy_shortcut_is_the_masked_argmax():
+    """Greedy verification takes the raw argmax when the constraint allows it, without a mask:
+    the same token as the argmax of the masked logits, ties included (the first maximum)."""
+    from speculant.constraint import apply_mask
+    from speculant.sampling import Sampler
+    from speculant.verify import verify
+
+    g = torch.Generator().manual_seed(5)
+    sampler = Sampler(SamplingParams())
+    for trial in range(300):
+        logits = torch.randn(1, N_VOCAB, generator=g).round(decimals=0)  # many equal maxima
+        c = ToyGrammar()
+        if trial % 3 == 1:
+            c.history = [5]  # only 6 allowed
+        want = int(torch.argmax(apply_mask(logits[0], c.mask())))
+        masks_before = c.masks
+        emitted, _ = verify(sampler, logits, None, frozenset({EOS}), c)
+        assert emitted == [want]
+        if c.FREE[int(torch.argmax(logits[0]))] and trial % 3 != 1:
+            assert c.masks == masks_before  # allowed: no mask was built

@@ -9,7 +9,8 @@ about its own state, which the engine advances with every token the sequence emi
 * ``forced()``: the tokens the rule forces from here, whatever the model says (may be empty): the
   engine drafts them without asking a speculator;
 * ``valid_prefix(tokens)``: how many leading tokens of a draft the rule would accept, the state
-  unchanged.
+  unchanged; it must agree with ``mask()`` (greedy verification asks it about the raw argmax
+  and builds the mask only when the answer is no).
 
 What the engine does with one (Engine.add(..., constraint=)): every row the target samples from
 has the rejected tokens' logits set to -inf before the sampler chain (top-k, top-p, min-p,

@@ -147,19 +147,18 @@ class GrammarConstraint:
     """One sequence's llguidance matcher as a speculant.Constraint."""
 
     def __init__(self, matcher, n_vocab: int):
-        import llguidance.torch as lt
-
+        # The bitmask is filled through the matcher's own pointer call: llguidance.torch would do
+        # the same but imports torch.compile's machinery (1.5 s on the first request here).
         self.matcher, self.n_vocab = matcher, n_vocab
-        self._fill = lt.fill_next_token_bitmask
-        self._bits = lt.allocate_token_bitmask(1, n_vocab)
+        self._bits = torch.zeros((n_vocab + 31) // 32, dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
         self.error: str | None = None  # what put the matcher in its error state (it then allows nothing)
 
     def mask(self) -> torch.Tensor:
         if self.matcher.is_error():
             return torch.zeros(self.n_vocab, dtype=torch.bool)
-        self._fill(self.matcher, self._bits, 0)
-        return ((self._bits[0].unsqueeze(-1) >> self._shifts) & 1).bool().view(-1)[: self.n_vocab]
+        self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        return ((self._bits.unsqueeze(-1) >> self._shifts) & 1).bool().view(-1)[: self.n_vocab]
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token) and self.error is None:
