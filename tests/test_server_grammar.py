@@ -142,6 +142,8 @@ BAD = [
     ({"grammar": 'root ::= "a" ('}, "not a valid GBNF grammar"),
     ({"grammar": 5}, "'grammar' must be a string"),
     ({"grammar": "root ::= \"a\"", "json_schema": SCHEMA}, "only one of"),
+    # llguidance 1.9 panics (a BaseException) cutting this one's error message inside the 'é'
+    ({"json_schema": {"required": {"x" * 97 + "\u00e9": []}}}, "not a valid JSON schema", "grammar engine failed", "PanicException"),
 ]
 BAD_OPENAI = [
     ({"response_format": {"type": "xml"}}, "'response_format.type' must be"),
@@ -203,3 +205,44 @@ def test_forced_tool_calls_are_held_to_the_function_schema(model):
     with pytest.raises(ApiError) as e:
         grammars.compile(tool_call_grammar(parse_tools({"tools": [broken], "tool_choice": "required"}), tok))
     assert e.value.status == 400 and e.value.extra["param"] == "tools" and "foo" in e.value.message
+
+
+def test_a_panicking_matcher_ends_its_sequence_not_the_engine(model):
+    """A Rust panic inside llguidance is a BaseException: on the engine thread it would kill the
+    thread. GrammarConstraint turns it into its error state: nothing allowed, the sequence ends."""
+    from speculant.sampling import SamplingParams
+    from speculant_server.grammar import GrammarConstraint
+
+    class Panic(BaseException):
+        pass
+
+    class Matcher:
+        calls = 0
+
+        def is_error(self):
+            return False
+
+        def unsafe_compute_mask_ptr(self, ptr, n):
+            Matcher.calls += 1
+            if Matcher.calls > 3:
+                raise Panic("index out of bounds")
+            import ctypes
+            ctypes.memset(ptr, 0xFF, n)
+
+        def consume_token(self, t):
+            return True
+
+        def validate_tokens(self, tokens):
+            return len(tokens)
+
+        def compute_ff_tokens(self):
+            return []
+
+        def rollback(self, n):
+            return True
+
+    engine = make_engine(model)
+    c = GrammarConstraint(Matcher(), model.info.n_vocab)
+    out = list(engine.generate(model.tokenizer.encode("hello"), 20, SamplingParams(temperature=1.0, seed=1), constraint=c))
+    assert c.error and "Panic: index out of bounds" in c.error
+    assert out[-1] in model.tokenizer.eog_ids and len(out) <= 4

@@ -86,6 +86,9 @@ class Grammars:
         import llguidance
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
+        def refused(reason) -> Exception:
+            return bad(f"'{spec.param}' is not a valid {_what(spec)}: {_one_line(reason)}", param=spec.param)
+
         try:
             if spec.kind == "json":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
@@ -93,11 +96,15 @@ class Grammars:
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.value)
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.value))
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer())
+        except (KeyboardInterrupt, SystemExit):
+            raise
         except Exception as e:
-            raise bad(f"'{spec.param}' is not a valid {_what(spec)}: {_one_line(e)}", param=spec.param) from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer())
+            raise refused(e) from None
+        except BaseException as e:  # a Rust panic is a BaseException (pyo3's PanicException)
+            raise refused(f"the grammar engine failed on it ({type(e).__name__}: {e})") from None
         if error:
-            raise bad(f"'{spec.param}' is not a valid {_what(spec)}: {_one_line(error)}", param=spec.param)
+            raise refused(error)
         return grammar
 
     def constraint(self, grammar: str) -> "GrammarConstraint":
@@ -154,26 +161,45 @@ class GrammarConstraint:
         self._shifts = torch.arange(32, dtype=torch.int32)
         self.error: str | None = None  # what put the matcher in its error state (it then allows nothing)
 
-    def mask(self) -> torch.Tensor:
+    def _call(self, fn, *args, fallback=None):
+        """A matcher call. A Rust panic (pyo3's PanicException, a BaseException) must not reach
+        the engine thread, which would die of it: it puts this constraint in its error state
+        instead, where it allows nothing and the sequence ends (apply_mask's end-of-generation)."""
+        if self.error is not None:
+            return fallback
+        try:
+            return fn(*args)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            self.error = f"{type(e).__name__}: {_one_line(e)}"
+            return fallback
+
+    def _fill(self) -> bool:
         if self.matcher.is_error():
-            return torch.zeros(self.n_vocab, dtype=torch.bool)
+            self.error = self.error or _one_line(self.matcher.get_error())
+            return False
         self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        return True
+
+    def mask(self) -> torch.Tensor:
+        if not self._call(self._fill, fallback=False):
+            return torch.zeros(self.n_vocab, dtype=torch.bool)
         return ((self._bits.unsqueeze(-1) >> self._shifts) & 1).bool().view(-1)[: self.n_vocab]
 
-    def advance(self, token: int) -> None:
-        if not self.matcher.consume_token(token) and self.error is None:
+    def _consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
             self.error = _one_line(self.matcher.get_error())
+
+    def advance(self, token: int) -> None:
+        self._call(self._consume, token)
 
     def rollback(self, n: int) -> None:
         if n > 0:
-            self.matcher.rollback(n)
+            self._call(self.matcher.rollback, n)
 
     def forced(self) -> list[int]:
-        if self.matcher.is_error():
-            return []
-        return list(self.matcher.compute_ff_tokens())
+        return list(self._call(self.matcher.compute_ff_tokens, fallback=[]))
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        if self.matcher.is_error():
-            return 0
-        return self.matcher.validate_tokens(list(tokens))
+        return self._call(self.matcher.validate_tokens, list(tokens), fallback=0)
