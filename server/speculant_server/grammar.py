@@ -110,7 +110,13 @@ class Grammars:
     def constraint(self, grammar: str) -> "GrammarConstraint":
         import llguidance
 
-        return GrammarConstraint(llguidance.LLMatcher(self.lltokenizer(), grammar, log_level=0), self.n_vocab)
+        try:
+            matcher = llguidance.LLMatcher(self.lltokenizer(), grammar, log_level=0)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # it raises nothing for a bad grammar (compile said so), but a panic is possible
+            raise bad(f"the grammar engine failed on the request's grammar ({type(e).__name__}: {_one_line(e)})") from None
+        return GrammarConstraint(matcher, self.n_vocab)
 
 
 def _what(spec: GrammarSpec) -> str:
