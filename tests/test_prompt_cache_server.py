@@ -106,3 +106,22 @@ async def test_ram_cache_limit_evicts_the_oldest(model):
         _, b2 = await post(c, "/completion", completion(B + "sed do eiusmod"))
         _, a2 = await post(c, "/completion", completion(A + "and runs away"))
     assert b2["timings"]["cache_n"] > 0 and a2["timings"]["cache_n"] == 0
+
+
+@aiotest
+async def test_the_ram_cache_keeps_one_copy_of_a_prefix(model):
+    """The same requests again and again: the LRU keeps one state per text, not one per request
+    (a state another holds whole serves nothing the other does not). Before, a soak on a few
+    prompts filled --cache-ram with copies."""
+    engine = make_engine(model, n_ctx=512)
+    async with serve(engine, n_slots=1) as c:
+        for _ in range(5):
+            _, a = await post(c, "/completion", completion(A))
+            _, b = await post(c, "/completion", completion(B))
+        assert len(engine.context.seqs) == 2  # A's state in the cache, B's in the slot
+        _, longer = await post(c, "/completion", completion(A + "and runs away"))  # continues A, then holds more
+        _, again = await post(c, "/completion", completion(A))
+        assert len(engine.context.seqs) == 2
+    assert a["timings"]["cache_n"] >= a["tokens_evaluated"] - 1 and b["timings"]["cache_n"] >= b["tokens_evaluated"] - 1
+    assert longer["timings"]["cache_n"] >= a["tokens_evaluated"] - 1
+    assert again["content"] == a["content"]
