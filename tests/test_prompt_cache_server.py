@@ -110,18 +110,19 @@ async def test_ram_cache_limit_evicts_the_oldest(model):
 
 @aiotest
 async def test_the_ram_cache_keeps_one_copy_of_a_prefix(model):
-    """The same requests again and again: the LRU keeps one state per text, not one per request
-    (a state another holds whole serves nothing the other does not). Before, a soak on a few
-    prompts filled --cache-ram with copies."""
-    engine = make_engine(model, n_ctx=512)
-    async with serve(engine, n_slots=1) as c:
-        for _ in range(5):
-            _, a = await post(c, "/completion", completion(A))
-            _, b = await post(c, "/completion", completion(B))
-        assert len(engine.context.seqs) == 2  # A's state in the cache, B's in the slot
-        _, longer = await post(c, "/completion", completion(A + "and runs away"))  # continues A, then holds more
-        _, again = await post(c, "/completion", completion(A))
-        assert len(engine.context.seqs) == 2
-    assert a["timings"]["cache_n"] >= a["tokens_evaluated"] - 1 and b["timings"]["cache_n"] >= b["tokens_evaluated"] - 1
-    assert longer["timings"]["cache_n"] >= a["tokens_evaluated"] - 1
-    assert again["content"] == a["content"]
+    """The same request on two slots at once leaves two equal states; moved out to the LRU, one
+    copy is kept (a state another holds whole serves nothing the other does not). Before, a
+    soak on a few prompts filled --cache-ram with such copies."""
+    import asyncio
+
+    engine = make_engine(model, n_ctx=1024)
+    async with serve(engine, n_slots=2) as c:
+        a = await asyncio.gather(*[post(c, "/completion", completion(A)) for _ in range(2)])
+        assert {r["id_slot"] for _, r in a} == {0, 1} and len(engine.context.seqs) == 2
+        await asyncio.gather(*[post(c, "/completion", completion(B)) for _ in range(2)])  # both A states move out
+        assert len(engine.context.seqs) == 3  # B and B in the slots, one A in the cache
+        _, longer = await post(c, "/completion", completion(A + "and runs away"))  # continues A
+        _, again = await post(c, "/completion", completion(A))  # inside the longer state: one state for both
+        assert len(engine.context.seqs) == 3
+    assert longer["timings"]["cache_n"] >= a[0][1]["tokens_evaluated"] - 1
+    assert again["timings"]["cache_n"] >= a[0][1]["tokens_evaluated"] - 1 and again["content"] == a[0][1]["content"]
