@@ -221,7 +221,7 @@ class ToolCallParser:
     def _bare_calls(self, text: str) -> tuple[list[dict], str]:
         """The calls of an answer that is bare call objects (fenced or not), and the text after
         them; ([], text) when it is not, or names a function the request did not offer."""
-        decoder, calls, at = json.JSONDecoder(), [], 0
+        decoder, calls = json.JSONDecoder(), []
         body = text.strip()
         if body.startswith("```"):
             body = body[3:].removeprefix("json")
