@@ -91,7 +91,6 @@ def bench_llguidance(tok, table, doc_tokens, grammars):
 
 
 def bench_xgrammar(tok, table, doc_tokens, grammars):
-    import torch
     import xgrammar as xgr
 
     t0 = time.perf_counter()

@@ -145,7 +145,7 @@ def test_drafts_are_cut_before_the_first_rejected_token():
     # Garbage drafts 5, 6, 7, 2 then rejected tokens: never more than 4 tokens reach verification,
     # and only where 5 is allowed (the free state); the grammar drafter takes the forced steps
     assert st.drafted <= 4 * st.drafts and st.accepted <= st.drafted
-    gen, told = engine.last_sequence.tokens[len(PROMPT):], echo.told
+    told = echo.told
     assert told == [] or all(valid(list(h) + list(d)) for h, d, _ in told)
 
 

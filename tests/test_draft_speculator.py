@@ -4,7 +4,6 @@ all sequences, no drift from the target after many rejections), exactness for co
 sequences, the CLI, and the batched propose hook of the chain."""
 from __future__ import annotations
 
-import random
 import time
 from types import SimpleNamespace
 

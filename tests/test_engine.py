@@ -1,6 +1,5 @@
 """The decode loop on toy models: exactness with speculation, recurrent checkpoints, limits, hooks."""
 import pytest
-import torch
 
 from speculant import Draft, hookimpl
 from speculant.engine import Engine, EngineConfig

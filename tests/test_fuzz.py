@@ -23,7 +23,6 @@ import json
 import random
 import struct
 import threading
-from pathlib import Path
 
 import pytest
 import torch

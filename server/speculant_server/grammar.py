@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
