@@ -213,7 +213,7 @@ def run(args, procs, workloads, out):
             ours = server == "ours"
             before = grammar_counters(url) if ours else None
             t0 = time.perf_counter()
-            body = post(url, request_body(kind, item, extra, constrained, choice, args.max_tokens))
+            body = post(url, request_body(kind, item, extra, constrained, choice, args.max_tokens if kind == "json" else args.tool_max_tokens))
             wall = time.perf_counter() - t0
             after = grammar_counters(url) if ours else None
             row = {"round": r, "kind": kind, "item": item["name"], "case": label, "server": server,
@@ -374,6 +374,7 @@ def main():
     ap.add_argument("--workloads", default=os.path.join(ROOT, "scripts/workloads/structured.json"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--tool-max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--port", type=int, default=8090, help="ours; llama-servers on the next three")
     ap.add_argument("--only", default="", help="regex over 'kind item case tool_choice'")
