@@ -165,7 +165,7 @@ class ToolCallParser:
         self._in_call = bool(self._buf)
         self._names = {t["function"]["name"] for t in request.tools}
         # An answer may also be a bare call: {"name": ..., "arguments": ...}, perhaps in a ```json
-        # fence (small models write that, llama.cpp's Hermes parser takes it too). While the
+        # fence (small models write that: the 1.5B Qwen2.5-Coder does). While the
         # answer's start could still be one, it is held back (`_lead`); once it is one (`_bare`),
         # the answer is read whole at its end.
         self._lead, self._bare = not self._in_call, False
