@@ -16,6 +16,7 @@ import json
 import threading
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from speculant_server.protocol import GrammarSpec, bad
@@ -164,7 +165,6 @@ class GrammarConstraint:
         # the same but imports torch.compile's machinery (1.5 s on the first request here).
         self.matcher, self.n_vocab = matcher, n_vocab
         self._bits = torch.zeros((n_vocab + 31) // 32, dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32)
         self.error: str | None = None  # what put the matcher in its error state (it then allows nothing)
 
     def _call(self, fn, *args, fallback=None):
@@ -191,7 +191,10 @@ class GrammarConstraint:
     def mask(self) -> torch.Tensor:
         if not self._call(self._fill, fallback=False):
             return torch.zeros(self.n_vocab, dtype=torch.bool)
-        return ((self._bits.unsqueeze(-1) >> self._shifts) & 1).bool().view(-1)[: self.n_vocab]
+        # numpy's unpackbits, one thread: the same bits by torch shifts went through its thread
+        # pool, which took 25 ms a call on a busy 2-core box (0.05 ms idle)
+        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")[: self.n_vocab]
+        return torch.from_numpy(bits).bool()
 
     def _consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
