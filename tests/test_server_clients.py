@@ -47,6 +47,23 @@ def start_server(model_path, log_path, *extra):
         time.sleep(0.2)
 
 
+def real_openai_client(tmp_path_factory, name: str, *extra, timeout: float = 300):
+    """An openai client of `python -m speculant_server` on the real target (skips with the reason
+    when the model is absent), for a module fixture: `yield from real_openai_client(...)`."""
+    import openai
+
+    from conftest import TARGET, model_path
+
+    path = model_path(TARGET)
+    proc, url = start_server(path, tmp_path_factory.mktemp(name) / "server.log", *extra)
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("server")

@@ -1,12 +1,10 @@
 """The official `openai` client against `python -m speculant_server` on the real 1.5B model with
 n-gram speculation: logprobs and top_logprobs (chat), logprobs (completions), and n = 2."""
 import math
-import subprocess
 
 import pytest
 
-from conftest import TARGET, model_path
-from test_server_clients import start_server
+from test_server_clients import real_openai_client
 
 openai = pytest.importorskip("openai")
 
@@ -15,14 +13,7 @@ MESSAGES = [{"role": "user", "content": "Write a Python function that returns th
 
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    path = model_path(TARGET)  # skips with the reason when the model is absent
-    proc, url = start_server(path, tmp_path_factory.mktemp("real-server") / "server.log", "--spec-type", "ngram-simple")
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    yield from real_openai_client(tmp_path_factory, "real-server", "--spec-type", "ngram-simple")
 
 
 def test_openai_chat_logprobs_real_model(real_server):

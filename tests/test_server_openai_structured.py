@@ -2,12 +2,10 @@
 speculation) for structured output: `response_format` json_schema (strict) and json_object. The
 answers parse and validate, streamed the same, and equal constrained plain decoding's."""
 import json
-import subprocess
 
 import pytest
 
-from conftest import TARGET, model_path
-from test_server_clients import start_server
+from test_server_clients import real_openai_client
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
@@ -33,14 +31,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "function", "schema": S
 
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    path = model_path(TARGET)  # skips with the reason when the model is absent
-    proc, url = start_server(path, tmp_path_factory.mktemp("real-server") / "server.log", "--spec-type", "ngram-simple")
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    yield from real_openai_client(tmp_path_factory, "real-server", "--spec-type", "ngram-simple", timeout=600)
 
 
 def validate(text: str, schema: dict) -> dict:

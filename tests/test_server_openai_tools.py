@@ -2,12 +2,10 @@
 1.5B model (Qwen2.5's template has a tools section): a two-step conversation (call, tool result,
 answer), the same call streamed, and tool_choice naming a function."""
 import json
-import subprocess
 
 import pytest
 
-from conftest import TARGET, model_path
-from test_server_clients import start_server
+from test_server_clients import real_openai_client
 
 openai = pytest.importorskip("openai")
 
@@ -21,15 +19,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris right now?
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    path = model_path(TARGET)  # skips with the reason when the model is absent
-    proc, url = start_server(path, tmp_path_factory.mktemp("tools-server") / "server.log", "--spec-type", "ngram-simple",
-                             "-c", "2048")
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    yield from real_openai_client(tmp_path_factory, "tools-server", "--spec-type", "ngram-simple", "-c", "2048")
 
 
 def test_two_step_tool_conversation(client):
