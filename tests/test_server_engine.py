@@ -5,7 +5,7 @@ import pytest
 from speculant import Draft, hookimpl
 from speculant.engine import Engine, EngineConfig, SpecOverride
 
-from toy_models import N_VOCAB, ToyModel, ToyRecurrentModel
+from toy_models import N_VOCAB, ToyHybridModel, ToyModel, ToyRecurrentModel
 
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -106,7 +106,7 @@ def test_override_types_pick_speculators_of_the_chain():
 
 
 @pytest.mark.parametrize("where", ["begin", "propose", "accept"])
-@pytest.mark.parametrize("model_cls", [ToyModel, ToyRecurrentModel])
+@pytest.mark.parametrize("model_cls", [ToyModel, ToyRecurrentModel, ToyHybridModel])
 def test_raising_speculator_fails_over_to_plain_decoding_for_its_sequence_only(where, model_cls):
     bad_prompt = [9, 2, 3, 4, 5]
     truth_bad, truth_good = plain(model_cls, prompt=bad_prompt), plain(model_cls)

@@ -119,3 +119,39 @@ class ToyRecurrentModel(ToyModel):
             if want:
                 logits.append(_logits(h))
         return ForwardOutput(torch.stack(logits) if logits else torch.empty(0, N_VOCAB), {})
+
+
+class ToyHybridModel(ToyModel):
+    """One recurrent layer (the rolling hash, a float64 state in a HybridCache that keeps the
+    state after each row) and one attention-like layer (each token stored as a KV row, summed):
+    the logits depend on both, so a wrong cut of either side changes the output."""
+
+    def new_context(self, max_tokens):
+        from speculant import HybridCache, KVCache
+
+        return HybridCache(KVCache(1, 1, 1, max_tokens, dtype=torch.float64), {0: ((1,),)}, dtype=torch.float64)
+
+    def forward(self, batch, ctx, hidden_layers=()):
+        self.forward_calls += 1
+        self.rows_seen += len(batch)
+        logits, hidden = [], []
+        for seq_id, a, b in batch.groups():
+            start = batch.positions[a]
+            assert start == ctx.length(seq_id) == ctx.kv.length(seq_id)
+            ctx.reserve(seq_id, batch.positions[b - 1] + 1)
+            h = int(ctx.read(seq_id, 0)[0].item())
+            toks = torch.tensor(batch.tokens[a:b], dtype=torch.float64)
+            _, vc = ctx.kv.write(0, seq_id, start, toks.view(1, -1, 1), toks.view(1, -1, 1))
+            sums = vc[0, :, 0].cumsum(0)[start:]
+            states = []
+            for i in range(a, b):
+                h = _next_hash(h, batch.tokens[i])
+                states.append(h)
+                hidden.append(torch.full((8,), float(h)))
+                if batch.want_logits[i]:
+                    logits.append(_logits(_next_hash(h, int(sums[i - a].item()) % MOD)))
+            rows = torch.tensor(states, dtype=torch.float64).view(-1, 1)
+            ctx.write(seq_id, 0, [rows[-1].clone()], [rows] if ctx.wants_rows(seq_id) else None)
+            ctx.commit(seq_id, start, batch.positions[b - 1] + 1)
+        out = torch.stack(logits) if logits else torch.empty(0, N_VOCAB)
+        return ForwardOutput(out, {l: torch.stack(hidden) for l in hidden_layers})

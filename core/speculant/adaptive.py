@@ -128,6 +128,11 @@ class DraftLengthController:
     declined_in_a_row: dict[str, int] = attrs.field(factory=dict)
     probing: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> probe drafts to go
     catch_up: dict[str, float] = attrs.field(factory=dict)  # spec type -> seconds of its last probe's first call
+    # A recurrent target without per-row states (checkpoint/replay): every verification pays a
+    # checkpoint save (and, on a rejection, its restore), and the kept tokens of a partly
+    # accepted draft are computed again as rows of the next step.
+    replay: bool = False
+    checkpoint: DraftCost = attrs.field(factory=DraftCost)
 
     def observe_forward(self, rows: int, seconds: float) -> None:
         self.forward.observe(rows, seconds)
@@ -144,6 +149,10 @@ class DraftLengthController:
             return
         self.probing.pop((spec_type, seq_id), None)
         self.costs.setdefault(spec_type, DraftCost()).observe(seconds, n_tokens)
+
+    def observe_checkpoint(self, seconds: float) -> None:
+        """A checkpoint's save or restore took `seconds` (the cost of a draft on a recurrent target)."""
+        self.checkpoint.observe(seconds, 1)
 
     def forget(self, seq_id: int) -> None:
         """The sequence ended: drop a probe left unfinished for it."""
@@ -167,11 +176,20 @@ class DraftLengthController:
         best_k, best_rate = 0, 1.0 / t1
         expected, p = 1.0, 1.0
         alphas = acc.alphas(n)
+        # Replay: a save and, unless all k are accepted, a restore, plus j rows fed again when
+        # exactly j were accepted (j < k) -- each j's chance is p_j (1 - alpha_{j+1}).
+        save = self.checkpoint.per_token() if self.replay else 0.0
+        replay_by_j = [0.0] * (n + 1)  # sum over j < k of P(exactly j accepted) (restore + t(1 + j) - t(1))
         for k in range(1, n + 1):
+            p_before = p
             p *= alphas[k - 1]
             expected += p
+            if self.replay:
+                j = k - 1
+                extra = max(0.0, (self.forward.cost(1 + j) or t1) - t1) + save
+                replay_by_j[k] = replay_by_j[k - 1] + p_before * (1 - alphas[k - 1]) * extra
             t = self.forward.cost(1 + k)
-            rate = expected / ((t1 if t is None else t) + cost_per_token * k)
+            rate = expected / ((t1 if t is None else t) + cost_per_token * k + save + replay_by_j[k])
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

@@ -48,6 +48,13 @@ class EngineConfig:
     # and its first propose and accept for a sequence.
     spec_deadline: float | None = 5.0
     spec_grace: float | None = None
+    # Recurrent targets (state that cannot be cut): where the context keeps each verification
+    # row's state, a partial acceptance cuts back to the last accepted row; `spec_use_checkpoints`
+    # saves the state before every verification instead and, on a partial acceptance, restores
+    # it and feeds the accepted tokens again (llama.cpp's checkpoint/replay). `ctx_checkpoints`:
+    # prompt-end states kept per sequence, the points a later request can resume from.
+    spec_use_checkpoints: bool = False
+    ctx_checkpoints: int = 32
 
     def __attrs_post_init__(self):
         if self.n_ctx < 2:
@@ -56,6 +63,8 @@ class EngineConfig:
             raise LimitError(f"the speculator deadline must be positive, got {self.spec_deadline}")
         if self.spec_grace is not None and not self.spec_grace > 0:
             raise LimitError(f"the speculator grace must be positive, got {self.spec_grace}")
+        if self.ctx_checkpoints < 0:
+            raise LimitError(f"--ctx-checkpoints must be >= 0, got {self.ctx_checkpoints}")
 
 
 @attrs.frozen
@@ -176,8 +185,17 @@ class Sequence:
         return SequenceView(self.seq_id, tuple(self.tokens), self.n_prompt, max(0.0, self.sampler.params.temperature))
 
 
-# Prompt-end states a recurrent sequence keeps (llama.cpp's --ctx-checkpoints keeps 32 a slot).
-MAX_CHECKPOINTS = 8
+@attrs.define
+class RecurrentStats:
+    """How a recurrent target went back after partial acceptances: cut back to a verification
+    row's state (`rollbacks`) or restored a checkpoint and fed the kept tokens again (`replays`,
+    `replayed_rows`); the seconds spent saving and restoring checkpoints."""
+
+    rollbacks: int = 0
+    replays: int = 0
+    replayed_rows: int = 0
+    saves: int = 0
+    checkpoint_seconds: float = 0.0
 
 
 @attrs.define(eq=False)
@@ -233,8 +251,15 @@ class Engine:
         self.model, self.config = model, config
         self.context = model.new_context(config.n_ctx)
         self.recurrent = getattr(self.context, "state_kind", "kv") == "recurrent"
+        # Per-row rollback where the context can (HybridCache), unless checkpoints are asked for.
+        self.row_rollback = (self.recurrent and not config.spec_use_checkpoints
+                             and hasattr(self.context, "can_truncate") and hasattr(self.context, "keep_rows"))
+        if self.recurrent and hasattr(self.context, "keep_rows"):
+            self.context.keep_rows = self.row_rollback
+        self.recurrent_stats = RecurrentStats()
         self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline, grace=config.spec_grace)
         self.controller = DraftLengthController(enabled=config.adaptive)
+        self.controller.replay = self.recurrent and not self.row_rollback
         self.spec_stats: dict[str, SpecTypeStats] = {}
         self.eog = frozenset(getattr(model.tokenizer, "eog_ids", ()) or ())
         self.n_vocab = model.info.n_vocab
@@ -458,8 +483,10 @@ class Engine:
                     prefill.append(_Part(seq, None, Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="none", prompt_len=seq.n_prompt)))
                     continue
                 seq.prefilled = True
-                if self.recurrent and seq.n_cached > seq.n_reused:  # a point a later prompt can resume from
-                    seq.checkpoints = seq.checkpoints[-(MAX_CHECKPOINTS - 1):] + [(seq.n_cached, self.context.save(seq.seq_id))]
+                if self.recurrent and seq.n_cached > seq.n_reused and self.config.ctx_checkpoints > 0:
+                    # a point a later prompt can resume from (the oldest goes past --ctx-checkpoints)
+                    seq.checkpoints = seq.checkpoints[len(seq.checkpoints) + 1 - self.config.ctx_checkpoints:]
+                    seq.checkpoints.append((seq.n_cached, self.context.save(seq.seq_id)))
             decoding.append(seq)
         drafts = self._propose_all(decoding)
         parts = []
@@ -470,12 +497,22 @@ class Engine:
             b = Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="all" if draft else "last", prompt_len=seq.n_prompt)
             if draft:  # logits only from the last pending row on
                 b = attrs.evolve(b, want_logits=tuple(i >= len(pending) - 1 for i in range(len(rows))))
-                if self.recurrent:
+                if self.recurrent and not self.row_rollback:
+                    t0 = time.perf_counter()
                     seq.saved = self.context.save(seq.seq_id)
+                    self._checkpoint_time(t0)
+                    self.recurrent_stats.saves += 1
                     self._spec_call(seq, self.chain.checkpoint, seq.view(), "save")
             parts.append(_Part(seq, draft, b))
+        if self.row_rollback:  # only verification rows need their states kept: not prompt chunks, not plain steps
+            self.context.rows_for = {p.seq.seq_id for p in parts if p.draft}
         # The prompt chunks go last, so the decoding rows keep their offsets in the output.
         return StepPlan(parts, prefill, Batch.concat([p.batch for p in parts + prefill]))
+
+    def _checkpoint_time(self, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        self.recurrent_stats.checkpoint_seconds += seconds
+        self.controller.observe_checkpoint(seconds)
 
     def _commit(self, plan: StepPlan, out, seconds: float) -> dict[int, list[int]]:
         """Verify each decoding sequence's rows, cut the states back to what was kept, tell the
@@ -627,13 +664,22 @@ class Engine:
         first_row = seq.n_cached  # the position of this step's first row
         fed_end = seq.n_cached + n_rows  # the state now holds tokens up to here (pending + draft rows)
         kept_end = n_before + n_accepted  # ... of which these are right; the last emitted token is pending
-        if self.recurrent and draft is not None and kept_end < fed_end:
+        if self.recurrent and draft is not None and kept_end < fed_end and seq.saved is None:
+            # The context kept each verification row's state: cut back to the last kept row's.
+            self.context.truncate(seq.seq_id, kept_end)
+            seq.n_cached = kept_end
+            self.recurrent_stats.rollbacks += 1
+        elif self.recurrent and draft is not None and kept_end < fed_end:
             # Recurrent state cannot be cut: go back to before the draft; the kept tokens are
             # fed again as the first rows of the next step.
+            t0 = time.perf_counter()
             self.context.restore(seq.seq_id, seq.saved)
+            self._checkpoint_time(t0)
+            self.recurrent_stats.replays += 1
+            self.recurrent_stats.replayed_rows += kept_end - seq.n_cached
             self._spec_call(seq, self.chain.checkpoint, seq.view(), "restore")
         else:
-            if draft is not None and self.recurrent:
+            if draft is not None and self.recurrent and seq.saved is not None:
                 self._spec_call(seq, self.chain.checkpoint, seq.view(), "discard")
             self.context.truncate(seq.seq_id, kept_end)
             seq.n_cached = kept_end

@@ -57,6 +57,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="the deadline instead where a speculator may catch up on a prompt (begin, truncate, "
                         "prefill, its first propose and accept for a request), plus 20 ms per token of the "
                         "request (default: max(60, 10 x --spec-deadline))")
+    g.add_argument("--spec-use-checkpoints", action="store_true",
+                   help="recurrent/hybrid targets: save the state before each verification and, when a draft is "
+                        "cut, restore it and feed the kept tokens again (llama.cpp's way) instead of going back "
+                        "to the last kept verification row's state (the default, no re-decode)")
+    g.add_argument("-ctxcp", "--ctx-checkpoints", dest="ctx_checkpoints", type=_int(0), default=32, metavar="N",
+                   help="recurrent/hybrid targets: prompt-end states kept per sequence, the points a later request "
+                        "can resume from (default 32, as llama.cpp)")
     default_registry().add_options(g)
 
 
@@ -68,7 +75,9 @@ def engine_setup(args, model):
     config = EngineConfig(n_ctx=args.ctx_size, draft_n_max=args.spec_draft_n_max, draft_n_min=args.spec_draft_n_min,
                           draft_p_min=args.spec_draft_p_min, adaptive=args.spec_adaptive,
                           spec_deadline=getattr(args, "spec_deadline", 5.0) or None,
-                          spec_grace=getattr(args, "spec_grace", None))
+                          spec_grace=getattr(args, "spec_grace", None),
+                          spec_use_checkpoints=getattr(args, "spec_use_checkpoints", False),
+                          ctx_checkpoints=getattr(args, "ctx_checkpoints", 32))
     names = parse_spec_types(args.spec_type)
     return config, build_speculators(names, vars(args), target=model, draft_model=args.spec_draft_model, backend=args.device)
 

@@ -58,6 +58,9 @@ class HybridCache:
     keep_rows: bool = True
     dtype: torch.dtype = torch.float32
     seqs: dict[int, _SeqState] = attrs.field(factory=dict)
+    # The sequences whose rows of the next forward keep their states (the engine sets it to those
+    # verifying a draft: a prompt chunk or a plain step never needs them); None: every sequence.
+    rows_for: set[int] | None = None
 
     state_kind = "recurrent"
 
@@ -131,9 +134,14 @@ class HybridCache:
         """The layer's state tensors for the sequence before this forward's rows (do not modify)."""
         return self._seq(seq_id).states[layer]
 
+    def wants_rows(self, seq_id: int) -> bool:
+        """Whether this forward should hand `write` the per-row states of the sequence."""
+        return self.keep_rows and (self.rows_for is None or seq_id in self.rows_for)
+
     def write(self, seq_id: int, layer: int, final: list[torch.Tensor], per_row: list[torch.Tensor] | None = None) -> None:
         """The layer's state after this forward's rows of the sequence, and (where `keep_rows`)
-        the states after each row, stacked [rows, ...] (per_row[i][-1] equals final[i])."""
+        the states after each row, stacked [rows, ...] (per_row[i][-1] equals final[i]), where
+        `wants_rows(seq_id)`."""
         self._seq(seq_id).pending[layer] = (final, per_row)
 
     def commit(self, seq_id: int, start: int, end: int) -> None:

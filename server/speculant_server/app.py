@@ -694,7 +694,10 @@ async def props(request: web.Request):
                         "n_min": c.draft_n_min, "p_min": c.draft_p_min, "adaptive": c.adaptive,
                         "draft_model": state.config.draft_model,
                         # spec type -> why, for those the watchdog took out (see --spec-deadline)
-                        "quarantined": {name: str(why) for name, why in dict(state.engine.chain.quarantined).items()}},
+                        "quarantined": {name: str(why) for name, why in dict(state.engine.chain.quarantined).items()},
+                        # recurrent/hybrid targets: how partial acceptances went back (see --spec-use-checkpoints)
+                        **({"recurrent": {"mode": "checkpoint-replay" if state.engine.config.spec_use_checkpoints else "per-row",
+                                          **attrs.asdict(state.engine.recurrent_stats)}} if state.engine.recurrent else {})},
     })
 
 

@@ -76,6 +76,12 @@ class ServerCollector:
         for name in w.spec_types:
             quarantined.add_metric([name], 1.0 if name in gone else 0.0)
         yield quarantined
+        if w.engine.recurrent:  # a hybrid target: cut-backs to a verification row's state versus checkpoint replays
+            r = w.engine.recurrent_stats
+            yield counter("recurrent_rollbacks", "Partial acceptances cut back to a kept verification row's state.", r.rollbacks)
+            yield counter("recurrent_replays", "Partial acceptances that restored a checkpoint and fed the kept tokens again.", r.replays)
+            yield counter("recurrent_replayed_rows", "Rows computed again after checkpoint restores.", r.replayed_rows)
+            yield counter("recurrent_checkpoint_seconds", "Seconds spent saving and restoring recurrent-state checkpoints.", r.checkpoint_seconds)
 
 
 def make_registry(worker) -> CollectorRegistry:
