@@ -14,6 +14,14 @@ matches the history (rejected draft tokens) is truncated away and only the token
 not seen (normally the target's correction token, plus the last draft token when the whole
 draft was accepted) are fed, as the first rows of the first draft step. A draft step is one
 forward for all sequences still drafting, one row each.
+
+A draft model with recurrent state (a hybrid such as lfm2 or qwen35) cannot cut its draft tokens
+away afterwards. Its state is saved after the first draft step (which holds the whole history)
+and restored when the draft is done, so the context again holds the history and nothing else;
+the lazy sync above then works as for a KV cache. The engine's `checkpoint` calls need nothing
+from it: the draft context never runs ahead of the history it was synced to. A history that
+changed inside what the recurrent context holds (a client edited the conversation) is fed again
+from the start.
 """
 from __future__ import annotations
 
@@ -68,8 +76,11 @@ class DraftSimple:
             raise SpeculantError(f"draft model {config.draft_model} cannot draft for {target.info.path}: {why}")
         max_tokens = int(config.option("ctx_size", 0) or 0) or (1 << 20)
         self.context = self.model.new_context(max_tokens)
-        if getattr(self.context, "state_kind", "kv") != "kv":
-            raise SpeculantError(f"draft model {config.draft_model}: a draft model with recurrent state is not supported")
+        self.recurrent = getattr(self.context, "state_kind", "kv") == "recurrent"
+        if self.recurrent and not (hasattr(self.context, "save") and hasattr(self.context, "restore")):
+            raise SpeculantError(f"draft model {config.draft_model}: its recurrent state can be neither cut nor saved")
+        if hasattr(self.context, "keep_rows"):  # drafting rolls back by checkpoints, not per-row states
+            self.context.keep_rows = False
         # Draft tokens must be ids the target has; history tokens the draft does not know are fed as 0.
         self.n_draft_vocab = self.model.info.n_vocab
         self.n_out = min(self.n_draft_vocab, target.info.n_vocab)
@@ -105,6 +116,7 @@ class DraftSimple:
                 state = self.seqs[r.seq.seq_id] = _Seq()
             rows.append(self._sync(r.seq.seq_id, state, r.seq.tokens))
             active.append(_Drafting(i, r.seq.seq_id, state, r.limits.n_max, r.limits.n_min, r.limits.p_min))
+        saved: dict[int, tuple[int, object]] = {}  # recurrent draft: seq -> (history length, state after it)
         try:
             while active:
                 batch = Batch.concat([Batch.for_sequence(a.seq_id, len(a.state.fed), self._feedable(toks), logits="last")
@@ -112,6 +124,8 @@ class DraftSimple:
                 logits = self.model.forward(batch, self.context).logits
                 for a, toks in zip(active, rows):
                     a.state.fed.extend(toks)
+                    if self.recurrent and a.seq_id not in saved:  # the state after the whole history
+                        saved[a.seq_id] = (len(a.state.fed), self.context.save(a.seq_id))
                 still, rows = [], []
                 for a, tok, p in zip(active, *self._greedy(logits)):
                     if p < a.p_min:  # not confident enough: this token is not kept, the draft ends
@@ -129,7 +143,12 @@ class DraftSimple:
                 self.context.drop(a.seq_id)
                 a.state.fed.clear()
                 a.state.good = 0
+                saved.pop(a.seq_id, None)
             raise
+        finally:
+            for seq_id, (n, handle) in saved.items():  # drop the draft tokens: back to the history's state
+                self.context.restore(seq_id, handle)
+                del self.seqs[seq_id].fed[n:]
         return out
 
     @hookimpl
@@ -158,6 +177,9 @@ class DraftSimple:
         while p < limit and fed[p] == history[p]:
             p += 1
         if p < len(fed):
+            if self.recurrent and not getattr(self.context, "can_truncate", lambda s, n: False)(seq_id, p):
+                self.context.drop(seq_id)  # the state cannot go back there: feed the history again
+                p = 0
             del fed[p:]
             self.context.truncate(seq_id, p)
         state.good = len(history)  # true once the rows below are fed
