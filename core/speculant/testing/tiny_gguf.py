@@ -16,6 +16,11 @@ that llama.cpp's `convert_hf_to_gguf.py` writes for the architecture, mirrored f
             attention.sliding_window; output.weight tied to token_embd by default (as the
             converter does).  Norm weights are stored as llama.cpp's converter stores them,
             i.e. they already include Gemma's "+1" and are used as plain multipliers.
+    lfm2    (hybrid) token_embd, token_embd_norm (the final norm), blk.N.{attn_norm, ffn_norm,
+            ffn_gate, ffn_up, ffn_down} and per block either attention (attn_q, attn_k, attn_v,
+            attn_q_norm, attn_k_norm, attn_output) or a short convolution (shortconv.in_proj,
+            shortconv.conv F32, shortconv.out_proj); head_count_kv is a per-layer array, 0 for
+            the conv blocks; lfm2.shortconv.l_cache and lfm2.vocab_size; tied by default.
 
 Weights: deterministic for (seed, tensor name, shape) -- every tensor has its own random stream,
 so two files with the same seed and dimensions but different `n_layers` share token_embd,
@@ -68,11 +73,12 @@ from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from speculant.gguf.tokenizer import bytes_to_unicode  # the same table the tokenizer decodes with
 
 __all__ = [
-    "ARCHS", "CORPUS", "MIN_VOCAB", "TOKENIZERS", "bytes_to_unicode", "quantize", "quantize_k",
+    "ARCHS", "CORPUS", "HYBRID_ARCHS", "MIN_VOCAB", "TOKENIZERS", "bytes_to_unicode", "quantize", "quantize_k",
     "tiny_vocab", "write_tiny_model", "write_tiny_pair",
 ]
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+HYBRID_ARCHS = ("lfm2",)  # recurrent layers interleaved with attention (see `write_tiny_model`)
 TOKENIZERS = ("gpt2", "llama")
 
 QK_K = 256
@@ -524,6 +530,7 @@ _ARCH_DEFAULTS = {  # rope.freq_base, rms eps as the real configs have them
     "qwen2": (1000000.0, 1e-6),
     "qwen3": (1000000.0, 1e-6),
     "gemma3": (1000000.0, 1e-6),
+    "lfm2": (1000000.0, 1e-5),
 }
 
 
@@ -535,9 +542,10 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def _tensor_plan(arch: str, *, n_vocab: int, n_embd: int, n_layers: int, n_head: int, n_kv_head: int,
-                 head_dim: int, n_ff: int, tie: bool) -> list[tuple[str, tuple[int, ...], str, float, float]]:
+                 head_dim: int, n_ff: int, tie: bool, attn_layers: tuple[int, ...] = (),
+                 l_cache: int = 3) -> list[tuple[str, tuple[int, ...], str, float, float]]:
     """(name, numpy shape = (out, in) for matrices, kind, std, mean) in file order.
-    kind: 'embd' / 'linear' (quantized), 'norm' / 'bias' (F32); values are mean + std*N(0, 1).
+    kind: 'embd' / 'linear' (quantized), 'norm' / 'bias' / 'conv' (F32); values are mean + std*N(0, 1).
 
     Scales: logits have a standard deviation of ~3, so the next-token distribution is peaked but
     not one-hot.  Untied, the first layer sees an input of RMS ~1 (Gemma multiplies the embedding
@@ -552,6 +560,10 @@ def _tensor_plan(arch: str, *, n_vocab: int, n_embd: int, n_layers: int, n_head:
         embd_std, out_norm = (inv if arch == "gemma3" else 1.0), 1.0
     plan: list[tuple[str, tuple[int, ...], str, float, float]] = []
     plan.append(("token_embd.weight", (n_vocab, n_embd), "embd", embd_std, 0.0))
+    if arch == "lfm2":
+        return plan + _lfm2_plan(n_vocab=n_vocab, n_embd=n_embd, n_layers=n_layers, q_dim=q_dim, kv_dim=kv_dim,
+                                 head_dim=head_dim, n_ff=n_ff, tie=tie, out_norm=out_norm,
+                                 attn_layers=attn_layers, l_cache=l_cache)
     for i in range(n_layers):
         b = f"blk.{i}"
         plan.append((f"{b}.attn_norm.weight", (n_embd,), "norm", 0.1, 1.0))
@@ -580,21 +592,81 @@ def _tensor_plan(arch: str, *, n_vocab: int, n_embd: int, n_layers: int, n_head:
     return plan
 
 
+def _lfm2_plan(*, n_vocab: int, n_embd: int, n_layers: int, q_dim: int, kv_dim: int, head_dim: int, n_ff: int,
+               tie: bool, out_norm: float, attn_layers: tuple[int, ...], l_cache: int):
+    """LFM2 as llama.cpp's loader reads it (src/models/lfm2.cpp): every block has attn_norm (the
+    "operator norm") and a dense FFN; attention blocks add attn_q/k/v/output and per-head
+    attn_q_norm/attn_k_norm, conv blocks shortconv.in_proj [3*n_embd out], shortconv.conv
+    (F32, numpy [n_embd, l_cache]: the converter squeezes the HF [n_embd, 1, L] weight) and
+    shortconv.out_proj. The final norm is named token_embd_norm (llama.cpp's
+    LLM_TENSOR_OUTPUT_NORM_LFM2)."""
+    inv = 1.0 / np.sqrt(n_embd)
+    plan: list[tuple[str, tuple[int, ...], str, float, float]] = []
+    for i in range(n_layers):
+        b = f"blk.{i}"
+        plan.append((f"{b}.attn_norm.weight", (n_embd,), "norm", 0.1, 1.0))
+        if i in attn_layers:
+            plan.append((f"{b}.attn_q.weight", (q_dim, n_embd), "linear", inv, 0.0))
+            plan.append((f"{b}.attn_k.weight", (kv_dim, n_embd), "linear", inv, 0.0))
+            plan.append((f"{b}.attn_v.weight", (kv_dim, n_embd), "linear", inv, 0.0))
+            plan.append((f"{b}.attn_q_norm.weight", (head_dim,), "norm", 0.1, 1.0))
+            plan.append((f"{b}.attn_k_norm.weight", (head_dim,), "norm", 0.1, 1.0))
+            plan.append((f"{b}.attn_output.weight", (n_embd, q_dim), "linear", 0.5 / np.sqrt(q_dim), 0.0))
+        else:
+            plan.append((f"{b}.shortconv.conv.weight", (n_embd, l_cache), "conv", 1.0 / np.sqrt(l_cache), 0.0))
+            plan.append((f"{b}.shortconv.in_proj.weight", (3 * n_embd, n_embd), "linear", inv, 0.0))
+            plan.append((f"{b}.shortconv.out_proj.weight", (n_embd, n_embd), "linear", 0.5 * inv, 0.0))
+        plan.append((f"{b}.ffn_norm.weight", (n_embd,), "norm", 0.1, 1.0))
+        plan.append((f"{b}.ffn_gate.weight", (n_ff, n_embd), "linear", inv, 0.0))
+        plan.append((f"{b}.ffn_up.weight", (n_ff, n_embd), "linear", inv, 0.0))
+        plan.append((f"{b}.ffn_down.weight", (n_embd, n_ff), "linear", 0.5 / np.sqrt(n_ff), 0.0))
+    plan.append(("token_embd_norm.weight", (n_embd,), "norm", 0.1 * out_norm, out_norm))
+    if not tie:
+        plan.append(("output.weight", (n_vocab, n_embd), "embd", 3.0 * inv, 0.0))
+    return plan
+
+
+def _own_writers(write):
+    """write_tiny_model, except for the architectures with a writer module of their own:
+    "qwen35" (Gated DeltaNet hybrid, speculant.testing.tiny_qwen35.write_qwen35, whose keyword
+    arguments it takes: the ones here plus full_attention_interval, recurrent_layers, ssm_d_state,
+    ssm_n_group, ssm_dt_rank, ssm_d_conv, n_rot, rope_sections, nextn_layers)."""
+    import functools
+
+    @functools.wraps(write)
+    def dispatch(path, arch="qwen2", **kwargs):
+        if arch == "qwen35":
+            from speculant.testing.tiny_qwen35 import write_qwen35
+            return write_qwen35(path, **kwargs)
+        return write(path, arch, **kwargs)
+    return dispatch
+
+
+@_own_writers
 def write_tiny_model(path: str | os.PathLike, arch: str = "qwen2", *, qtype: str | GGMLQuantizationType = "F32",
                      seed: int = 0, n_vocab: int = 512, n_embd: int = 64, n_layers: int = 2, n_head: int = 4,
                      n_kv_head: int = 2, head_dim: int | None = None, n_ff: int = 128, n_ctx: int = 256,
-                     sliding_window: int = 8, tokenizer: str = "gpt2", tie_embeddings: bool | None = None,
+                     sliding_window: int | None = None, tokenizer: str = "gpt2", tie_embeddings: bool | None = None,
                      embd_qtype: str | GGMLQuantizationType | None = None, rope_theta: float | None = None,
-                     rms_eps: float | None = None, name: str | None = None) -> str:
+                     rms_eps: float | None = None, name: str | None = None,
+                     attn_layers: tuple[int, ...] | list[int] | None = None, l_cache: int = 3) -> str:
     """Write a tiny random `arch` model with a working `tokenizer` to `path`; returns the path as str.
 
-    head_dim defaults to n_embd // n_head; tie_embeddings defaults to True for gemma3 (no
-    output.weight, like the converter) and False otherwise; embd_qtype (token_embd and output)
+    head_dim defaults to n_embd // n_head; tie_embeddings defaults to True for gemma3 and lfm2
+    (no output.weight, like the converter) and False otherwise; embd_qtype (token_embd and output)
     defaults to qtype; rope_theta / rms_eps default to the architecture's usual values.
-    `sliding_window` is only written for gemma3.  Minimum n_vocab: 259 (gpt2), 359 (llama).
+    `sliding_window` (default 8) is written for gemma3, and for lfm2 only when given (then its
+    attention layers use it, as llama.cpp reads an LFM2 file with the key).  Minimum n_vocab:
+    259 (gpt2), 359 (llama).
+
+    lfm2 (LiquidAI's LFM2, as convert_hf_to_gguf.py writes it): `attn_layers` are the attention
+    blocks (default: the odd ones), the others short-convolution blocks with kernel `l_cache`;
+    `lfm2.attention.head_count_kv` is the per-layer array with 0 for conv blocks (what llama.cpp
+    reads the layer kind from), `lfm2.shortconv.l_cache` and `lfm2.vocab_size` are written, the
+    final norm is `token_embd_norm`, n_head * head_dim must equal n_embd.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if arch not in ARCHS + HYBRID_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + HYBRID_ARCHS}")
     vocab = tiny_vocab(tokenizer, n_vocab)
     wq, eq = _as_qtype(qtype), _as_qtype(qtype if embd_qtype is None else embd_qtype)
     if head_dim is None:
@@ -603,13 +675,24 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "qwen2", *, qtype: str
         head_dim = n_embd // n_head
     if n_head % n_kv_head:
         raise ValueError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
-    tie = (arch == "gemma3") if tie_embeddings is None else bool(tie_embeddings)
+    if arch == "lfm2":
+        if n_head * head_dim != n_embd:
+            raise ValueError(f"lfm2: n_head * head_dim ({n_head} * {head_dim}) must equal n_embd={n_embd}")
+        attn_layers = tuple(range(1, n_layers, 2)) if attn_layers is None else tuple(sorted(set(attn_layers)))
+        if any(not 0 <= i < n_layers for i in attn_layers):
+            raise ValueError(f"lfm2: attn_layers {attn_layers} outside 0..{n_layers - 1}")
+        if l_cache < 2:
+            raise ValueError(f"lfm2: l_cache={l_cache} must be at least 2")
+    else:
+        attn_layers = tuple(range(n_layers))
+    tie = (arch in ("gemma3", "lfm2")) if tie_embeddings is None else bool(tie_embeddings)
     default_theta, default_eps = _ARCH_DEFAULTS[arch]
     rope_theta = default_theta if rope_theta is None else float(rope_theta)
     rms_eps = default_eps if rms_eps is None else float(rms_eps)
 
     plan = _tensor_plan(arch, n_vocab=n_vocab, n_embd=n_embd, n_layers=n_layers, n_head=n_head,
-                        n_kv_head=n_kv_head, head_dim=head_dim, n_ff=n_ff, tie=tie)
+                        n_kv_head=n_kv_head, head_dim=head_dim, n_ff=n_ff, tie=tie, attn_layers=attn_layers,
+                        l_cache=l_cache)
     for tname, shape, kind, _, _ in plan:
         qt = eq if kind == "embd" else wq if kind == "linear" else None
         if qt is not None and shape[-1] % gguf.GGML_QUANT_SIZES[qt][0]:
@@ -631,8 +714,21 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "qwen2", *, qtype: str
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_rope_freq_base(rope_theta)
-        w.add_sliding_window(sliding_window)
+        w.add_sliding_window(8 if sliding_window is None else sliding_window)
         w.add_head_count_kv(n_kv_head)
+    elif arch == "lfm2":  # the converter's keys (TextModel's, then LFM2Model's own)
+        w.add_block_count(n_layers)
+        w.add_context_length(n_ctx)
+        w.add_embedding_length(n_embd)
+        w.add_head_count(n_head)
+        w.add_head_count_kv([n_kv_head if i in attn_layers else 0 for i in range(n_layers)])
+        w.add_rope_freq_base(rope_theta)
+        w.add_vocab_size(n_vocab)
+        w.add_shortconv_l_cache(l_cache)
+        w.add_layer_norm_rms_eps(rms_eps)
+        w.add_feed_forward_length(n_ff)
+        if sliding_window is not None:
+            w.add_sliding_window(sliding_window)
     else:
         w.add_block_count(n_layers)
         w.add_context_length(n_ctx)
@@ -654,7 +750,7 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "qwen2", *, qtype: str
 
     for tname, shape, kind, std, mean in plan:
         x = _rng(seed, tname).standard_normal(shape, dtype=np.float32) * np.float32(std) + np.float32(mean)
-        if kind in ("norm", "bias"):
+        if kind in ("norm", "bias", "conv"):  # llama.cpp keeps the short-conv kernel F32 too
             w.add_tensor(tname, x)
         else:
             qt = eq if kind == "embd" else wq
