@@ -6,7 +6,32 @@ A case: {"name", "arch", "writer": write_tiny_model kwargs, "prompts": token-id 
 """
 from __future__ import annotations
 
-LFM2_CASES: list[dict] = []
+# LFM2: conv and attention blocks in several orders, three weight types. Prompt lengths are
+# multiples of 4 except in the Q8_0 cases: llama-server feeds a hybrid model's prompt of n > 4
+# tokens as two batches, n-4 rows and then 4 (a context checkpoint 4 tokens before its end), and
+# Q4_K's prompt arithmetic (whole groups of four rows) then covers the same rows as our one batch
+# only where n % 4 == 0. Q8_0 and F32 compute prompt rows as decode rows, so any length does.
+_P = [
+    [5, 77, 300, 12, 9, 44, 123, 8],
+    [100, 101, 102, 103],
+    [42, 7, 7, 42, 7, 7, 42, 7, 7, 42, 7, 7, 260, 261, 262, 263],
+    [331],
+]
+LFM2_CASES: list[dict] = [
+    {"name": "lfm2-f32", "arch": "lfm2", "n_predict": 24, "prompts": _P,
+     "writer": {"qtype": "F32", "seed": 11, "n_layers": 4}},  # conv, attn, conv, attn
+    {"name": "lfm2-q8_0", "arch": "lfm2", "n_predict": 24,
+     "prompts": _P + [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 99, 98, 97, 96, 95]],
+     "writer": {"qtype": "Q8_0", "seed": 12, "n_layers": 5, "attn_layers": [2, 4], "n_ff": 192}},
+    {"name": "lfm2-q8_0-conv-last", "arch": "lfm2", "n_predict": 24, "prompts": _P + [[1, 2, 3, 4, 5, 6, 7]],
+     "writer": {"qtype": "Q8_0", "seed": 13, "n_layers": 4, "attn_layers": [0, 2], "l_cache": 4,
+                "tie_embeddings": False}},
+    {"name": "lfm2-q4_k", "arch": "lfm2", "n_predict": 24, "prompts": _P,
+     "writer": {"qtype": "Q4_K", "seed": 14, "n_layers": 4, "attn_layers": [1, 3], "n_embd": 256, "n_ff": 512,
+                "n_head": 4, "n_kv_head": 2}},
+    {"name": "lfm2-q8_0-swa", "arch": "lfm2", "n_predict": 32, "prompts": _P[:3],
+     "writer": {"qtype": "Q8_0", "seed": 15, "n_layers": 4, "sliding_window": 6}},
+]
 
 QWEN35_CASES: list[dict] = []
 
