@@ -26,7 +26,7 @@ from speculant_cpu.backend import CpuBackend
 from speculant_transformer.gemma3 import Gemma3Model
 from speculant_transformer.llama import LlamaModel
 
-ARCHS = ["gemma3", "llama", "qwen2", "qwen3"]  # the transformer plugin's
+ARCHS = ["gemma3", "lfm2", "llama", "qwen2", "qwen3"]  # the transformer plugin's
 ALL_ARCHS = sorted(ARCHS + ["eagle3"])  # with the eagle3 plugin's head layout
 
 
