@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speculant import Batch, Draft, HybridCache, hookimpl
+from speculant import Batch, Draft, HybridCache, ModelFileError, hookimpl
 from speculant.engine import Engine, EngineConfig
 from speculant.gguf import dequantize
 from speculant.loader import load_model
@@ -36,6 +36,7 @@ from speculant.speculator import build_speculators
 from speculant.testing.tiny_gguf import write_tiny_model
 from speculant_cpu.backend import CpuBackend
 
+from gguf_edit import T_ARRAY, rewrite, u32, value
 from hybrid_cases import LFM2_CASES
 from hybrid_refs import max_logprob_diff, reference
 
@@ -84,6 +85,22 @@ def test_loads_as_hybrid(model_of):
     assert isinstance(ctx, HybridCache) and ctx.state_kind == "recurrent"
     assert ctx.state_shapes == {1: ((3, c.n_embd),), 3: ((3, c.n_embd),)}
     assert ctx.kv.n_layers == 2
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"lfm2.shortconv.l_cache": None}, "shortconv.l_cache' is missing"),
+    ({"lfm2.shortconv.l_cache": u32(1)}, "l_cache' must be an integer of at least 2"),
+    ({"lfm2.attention.head_count_kv": (T_ARRAY, value(T_ARRAY, (5, [0, 2, 0])))}, "must hold 4 non-negative integers"),
+    ({"lfm2.attention.head_count_kv": (T_ARRAY, value(T_ARRAY, (5, [0, 2, 0, 4])))}, "differs between attention layers"),
+    ({"lfm2.attention.head_count_kv": (T_ARRAY, value(T_ARRAY, (5, [0, 3, 0, 3])))}, "not a multiple"),
+    ({"lfm2.attention.head_count_kv": (T_ARRAY, value(T_ARRAY, (5, [2, 2, 0, 2])))}, "attn_q.weight' is missing"),
+    ({"lfm2.attention.layer_norm_rms_epsilon": None}, "layer_norm_rms_epsilon' is missing"),
+])
+def test_broken_metadata_is_a_model_file_error(tmp_path, change, message):
+    """What llama.cpp's loader refuses, refused at load with the key named (not on the first request)."""
+    path = write_tiny_model(tmp_path / "m.gguf", "lfm2", n_layers=4)
+    with pytest.raises(ModelFileError, match=message):
+        load_model(rewrite(path, tmp_path / "broken.gguf", change), progress=False)
 
 
 # --- (a) batch invariance, bit for bit ------------------------------------------------------------
