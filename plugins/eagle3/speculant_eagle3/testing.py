@@ -17,11 +17,16 @@ def target_embedding(target_path: str) -> torch.Tensor:
     return dequantize(t.data, t.qtype, t.shape)
 
 
+def _widest(value) -> int:
+    """A head count, or the largest of a hybrid's per-layer counts (0 marks a recurrent layer)."""
+    return max(int(v) for v in value) if isinstance(value, (list, tuple)) else int(value)
+
+
 def head_config_for(target_path: str, *, n_draft_vocab: int | None = None, n_ff: int | None = None,
                     target_layers=None) -> HeadConfig:
     g = open_gguf(target_path)
     n_embd, n_layers = int(g.arch_key("embedding_length")), int(g.arch_key("block_count"))
-    n_head, n_kv = int(g.arch_key("attention.head_count")), int(g.arch_key("attention.head_count_kv"))
+    n_head, n_kv = _widest(g.arch_key("attention.head_count")), _widest(g.arch_key("attention.head_count_kv"))
     n_vocab = len(g.metadata["tokenizer.ggml.tokens"])
     return HeadConfig(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv, head_dim=n_embd // n_head,
                       n_ff=n_ff or int(g.arch_key("feed_forward_length")), n_draft_vocab=n_draft_vocab or n_vocab,
