@@ -630,14 +630,15 @@ def _own_writers(write):
     """write_tiny_model, except for the architectures with a writer module of their own:
     "qwen35" (Gated DeltaNet hybrid, speculant.testing.tiny_qwen35.write_qwen35, whose keyword
     arguments it takes: the ones here plus full_attention_interval, recurrent_layers, ssm_d_state,
-    ssm_n_group, ssm_dt_rank, ssm_d_conv, n_rot, rope_sections, nextn_layers)."""
+    ssm_n_group, ssm_dt_rank, ssm_d_conv, n_rot, rope_sections, nextn_layers, qtype_overrides)."""
     import functools
+    import sys
 
     @functools.wraps(write)
     def dispatch(path, arch="qwen2", **kwargs):
-        if arch == "qwen35":
+        if arch == "qwen35":  # it is handed this module's quantizers, tokenizers and random streams
             from speculant.testing.tiny_qwen35 import write_qwen35
-            return write_qwen35(path, **kwargs)
+            return write_qwen35(path, sys.modules[__name__], **kwargs)
         return write(path, arch, **kwargs)
     return dispatch
 
