@@ -33,6 +33,38 @@ LFM2_CASES: list[dict] = [
      "writer": {"qtype": "Q8_0", "seed": 15, "n_layers": 4, "sliding_window": 6}},
 ]
 
-QWEN35_CASES: list[dict] = []
+# Qwen3.5: DeltaNet and attention layers in several orders (full_attention_interval and the
+# recurrent_layers array), value heads tiling key heads, an IMROPE section left unrotated, a NextN
+# block (loaded, not run), tied embeddings, head sizes below and above ggml's 64-value dot step.
+# K-quant prompts have 1-4 tokens or a multiple of 4 (the split above); with Q6_K in the mix only
+# 1-4 (llama.cpp's Q6_K prompt kernel needs 8 rows in one batch, which the split never gives).
+_Q = [
+    [5, 77, 300, 12, 9, 44, 123, 8],
+    [100, 101, 102, 103],
+    [42, 7, 7, 42, 7, 7, 42, 7, 7, 42, 7, 7, 260, 261, 262, 263],
+    [331],
+]
+_Q_ODD = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 99, 98, 97, 96, 95], [1, 2, 3, 4, 5, 6, 7]]
+QWEN35_CASES: list[dict] = [
+    {"name": "qwen35-f32", "arch": "qwen35", "n_predict": 24, "prompts": _Q + _Q_ODD[1:],
+     "writer": {"qtype": "F32", "seed": 21, "n_layers": 4}},  # delta, delta, delta, attention
+    {"name": "qwen35-q8_0", "arch": "qwen35", "n_predict": 32, "prompts": _Q + _Q_ODD,
+     "writer": {"qtype": "Q8_0", "seed": 22, "n_layers": 5, "recurrent_layers": [True, False, True, True, False],
+                "head_dim": 32, "n_rot": 8, "rope_sections": [1, 1, 1, 1], "nextn_layers": 1,
+                "tie_embeddings": True}},
+    {"name": "qwen35-q8_0-wide-state", "arch": "qwen35", "n_predict": 24, "prompts": _Q[:3] + _Q_ODD[1:],
+     "writer": {"qtype": "Q8_0", "seed": 23, "n_layers": 4, "full_attention_interval": 2, "n_embd": 128,
+                "n_ff": 256, "n_head": 2, "n_kv_head": 1, "head_dim": 64, "ssm_d_state": 128, "ssm_n_group": 1,
+                "ssm_dt_rank": 2}},
+    {"name": "qwen35-q4_k", "arch": "qwen35", "n_predict": 32, "prompts": _Q,
+     "writer": {"qtype": "Q4_K", "seed": 24, "n_layers": 4, "n_embd": 256, "n_ff": 512, "head_dim": 64,
+                "ssm_d_state": 32, "ssm_n_group": 4, "ssm_dt_rank": 8, "nextn_layers": 1}},
+    {"name": "qwen35-q4_k-m-mix", "arch": "qwen35", "n_predict": 32,
+     "prompts": [[5, 77, 300, 12], [100, 101, 102], [42, 7], [331]],
+     "writer": {"qtype": "Q4_K", "seed": 25, "n_layers": 4, "full_attention_interval": 2, "n_embd": 256,
+                "n_ff": 512, "head_dim": 64, "ssm_d_state": 64, "ssm_n_group": 2, "ssm_dt_rank": 4,
+                "qtype_overrides": {"output.weight": "Q6_K", "ffn_down": "Q6_K", "attn_v": "Q6_K",
+                                    "ssm_alpha": "Q8_0", "ssm_beta": "Q8_0"}}},
+]
 
 CASES = LFM2_CASES + QWEN35_CASES
