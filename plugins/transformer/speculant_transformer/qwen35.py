@@ -26,6 +26,9 @@ kept on `model.nextn`, not run in this forward (a draft head runs them).
 
 The recurrence runs row by row over each sequence's rows, the arithmetic of every row the same
 whatever else is in the batch, and hands the HybridCache the state after each row when it asks.
+Its rounding is ggml's (the dot products' order, the FMAs of ggml_ssm_conv and ggml_vec_mad_f32,
+libm's expf and logf), so with the CPU backend's native kernels the logits are llama.cpp's bit for
+bit (tests/test_hybrid_qwen35.py).
 """
 from __future__ import annotations
 
@@ -279,13 +282,22 @@ def _addcmul_is_fma() -> bool:
 
 _fma = torch.addcmul if _addcmul_is_fma() else _fma_double
 
-# ggml_vec_dot_f32 on x86 with AVX-512 (ggml's CPU build here): GGML_F32_ARR = 4 accumulators of
-# GGML_F32_EPR = 16 lanes take the first n - n % 64 values with FMAs, element i into lane i % 16 of
-# accumulator (i // 16) % 4; they are added pairwise (0+2, 1+3, then the two) and the 16 lanes
-# summed as GCC's _mm512_reduce_add_ps does (halves: 8, 4, then (0+2) + (1+3)); the rest are added
-# one by one, product and sum each rounded (that loop is not contracted to FMAs: checked against
-# llama.cpp's tensors).
-GGML_F32_EPR, GGML_F32_ARR = 16, 4
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+# ggml_vec_dot_f32 on x86 (ggml's CPU backend built for the machine): GGML_F32_ARR = 4 vector
+# accumulators of GGML_F32_EPR lanes (16 with AVX-512, 8 with AVX2) take the first
+# n - n % (4 * EPR) values with FMAs, element i into lane i % EPR of accumulator (i // EPR) % 4;
+# the accumulators are added pairwise (0+2, 1+3, then the two), the lanes summed by halves down to
+# four, and those as GCC's _mm512_reduce_add_ps does ((0+2) + (1+3)) or as AVX's two hadds do
+# ((0+1) + (2+3)); the rest of the values are added one by one, product and sum each rounded (that
+# loop is not contracted to FMAs: checked against llama.cpp's tensors, AVX-512 build).
+GGML_F32_EPR, GGML_F32_ARR = (16, 4) if _has_avx512() else (8, 4)
 
 
 def ggml_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -300,9 +312,13 @@ def ggml_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for b in range(1, n_simd // step):
             acc = _fma(acc, xs[..., b, :, :], ys[..., b, :, :])
         a = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
-        a = a[..., 8:] + a[..., :8]
-        a = a[..., 4:] + a[..., :4]
-        s = (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])
+        while a.shape[-1] > 4:
+            half = a.shape[-1] // 2
+            a = a[..., half:] + a[..., :half]
+        if GGML_F32_EPR == 16:
+            s = (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])
+        else:
+            s = (a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])
     else:
         s = torch.zeros(torch.broadcast_shapes(x.shape, y.shape)[:-1], dtype=torch.float32, device=x.device)
     for i in range(n_simd, n):
