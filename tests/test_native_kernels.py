@@ -3,7 +3,11 @@
 The reference quantizes the activations the way llama.cpp does (Q8_K for the K-quants, Q8_0
 otherwise) and multiplies with the dequantized weights in float64, so the only difference left
 is float32 rounding of the kernel's accumulation. Each row must also come out bit-identical
-however many rows are computed with it."""
+however many rows are computed with it.
+
+Every test here runs once per instruction set this CPU can run (native.available_isas(): on an
+AVX-512 box the AVX-512 kernels, and the AVX2 ones with and without AVX-VNNI), each against the
+same references; tests/test_native_isa.py compares the ISAs' results with each other."""
 from __future__ import annotations
 
 import ctypes
@@ -21,8 +25,34 @@ from speculant.gguf.quants import dequantize
 from speculant.testing.tiny_gguf import quantize
 from speculant_cpu import native
 
-lib = native.load()
+lib = native.load()  # the selected ISA's; the `isa` fixture below sets each ISA's in turn
 pytestmark = pytest.mark.skipif(lib is None, reason=f"native kernels unavailable here: {native.why_unavailable()}")
+ISAS = native.available_isas() or [None]
+
+
+@pytest.fixture(scope="module", autouse=True, params=ISAS)
+def isa(request):
+    """Run the module on each ISA: `lib` is that ISA's library, and SPECULANT_ISA names it, so a
+    CpuBackend made in a test loads the same one."""
+    global lib
+    outer = lib
+    lib = native.load(request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param is not None:
+            mp.setenv("SPECULANT_ISA", request.param)
+        yield request.param
+    lib = outer
+
+
+def zmm() -> bool:
+    """The AVX-512 build: it has the tiled VNNI kernels (and AMX where the compiler knows it);
+    the AVX2 build runs every row count on its per-row kernels (spk_last_path() 1)."""
+    return native.isa_of(lib) == "avx512"
+
+
+def tiled_path() -> int:
+    """What spk_last_path() says after a call that the tiled kernels take where the build has them."""
+    return 3 if zmm() else 1
 
 K_QUANTS = {Q.Q4_K, Q.Q6_K}
 
@@ -250,7 +280,7 @@ def test_k_quant_rows_are_llamacpp_arithmetic_whatever_the_row_count_and_path(qt
         tiled_min_rows(1)
         amx_min_rows(0)
         run(raw, qtype, n, k, x[:3])
-        assert lib.spk_last_path() == 3  # the tiled kernel did run
+        assert lib.spk_last_path() == tiled_path()  # the tiled kernel did run (where the build has it)
 
 
 def assert_rows_by_kind(got, kinds, bit, prompt, decode):
@@ -330,11 +360,11 @@ def test_amx_path_is_taken_where_available(amx_min_rows, tiled_min_rows):
     run(raw, Q.Q4_K, 32, 512, x[:1])
     assert lib.spk_last_path() == 1  # VNNI
     run(raw, Q.Q4_K, 32, 512, x)
-    expected = 2 if lib.spk_amx_available() else 3  # AMX, else VNNI on the AMX layout
+    expected = 2 if lib.spk_amx_available() else tiled_path()  # AMX, else VNNI on the AMX layout
     assert lib.spk_last_path() == expected
     amx_min_rows(0)
     run(raw, Q.Q4_K, 32, 512, x)
-    assert lib.spk_last_path() == 3
+    assert lib.spk_last_path() == tiled_path()
     tiled_min_rows(0)
     run(raw, Q.Q4_K, 32, 512, x)
     assert lib.spk_last_path() == 1
@@ -347,6 +377,9 @@ def test_amx_path_is_taken_where_available(amx_min_rows, tiled_min_rows):
 def test_amx_is_available_on_a_cpu_with_amx_int8():
     if os.environ.get("SPECULANT_AMX") == "0":
         pytest.skip("SPECULANT_AMX=0")
+    if not zmm():
+        assert not lib.spk_amx_built() and not lib.spk_amx_available()  # AVX2 builds have no AMX kernel
+        return
     flags = open("/proc/cpuinfo").read()
     if "amx_int8" not in flags or "amx_tile" not in flags:
         pytest.skip("this CPU has no AMX-INT8")
@@ -359,6 +392,8 @@ def test_amx_calls_between_torch_amx_calls_on_the_same_thread():
     """oneDNN's AMX kernels (torch's bf16 matmuls) load their own tile config and release the tiles
     on the calling thread; the next AMX call must load ours again (a tile op without it is SIGILL,
     which would kill the process: hence a subprocess)."""
+    if not zmm():
+        pytest.skip("no AMX kernel in the AVX2 build")
     code = """if True:
         import numpy as np, torch
         from gguf import GGMLQuantizationType as Q
@@ -525,7 +560,7 @@ def test_q6k_canonical_rows_are_row_invariant_on_both_paths(n, k, amx_min_rows, 
     amx_min_rows(0)
     tiled_min_rows(1)
     run_mode(raw, Q.Q6_K, n, k, x[:2], 2)
-    assert lib.spk_last_path() == 3  # the tiled kernel did run
+    assert lib.spk_last_path() == tiled_path()  # the tiled kernel did run
     kinds = np.where(np.arange(len(x)) % 3 == 0, 4, 0).astype(np.uint8)  # mixed with llama.cpp-decode rows
     mixed = run_prompt(raw, Q.Q6_K, n, k, x, kinds)
     canon = torch.from_numpy(kinds == 4)

@@ -130,12 +130,15 @@ class QuantEmbedding:
 
 log = get_logger(__name__)
 _warned: set[str] = set()
+# Plain decoding with torch's kernels against the native ones: the 1.5B Q4_K_M on 2 threads,
+# 3.1-3.8 tok/s against 18.0 (AVX2) and 19.7 (AVX-512) (docs/benchmarks.md, "AVX2 path").
+TORCH_DECODE_SLOWDOWN = 5
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, level: str = "warning", **fields) -> None:
     if message not in _warned:
         _warned.add(message)
-        log.warning(message)
+        getattr(log, level)(message, **fields)
 
 
 class CpuBackend:
@@ -146,6 +149,7 @@ class CpuBackend:
     def __init__(self, threads: int | None = None, use_native: bool | None = None):
         threads = threads or int(os.environ.get("SPECULANT_THREADS", "0")) or os.cpu_count() or 1
         self.threads = threads
+        chosen = use_native is not None  # by the caller (tests); else by SPECULANT_NATIVE and the CPU
         if use_native is None:
             use_native = os.environ.get("SPECULANT_NATIVE", "1") != "0"
         self.native = native.load() if use_native else None
@@ -155,8 +159,13 @@ class CpuBackend:
         self.row_kinds: np.ndarray | None = None  # set inside `batch`: how each row is computed
         self.row_kinds_ptr: int | None = None
         self._modes: dict[int, int | None] = {}
-        if use_native and self.native is None:
-            _warn_once(f"native CPU kernels unavailable ({native.why_unavailable()}); using torch's kernels, which are slower")
+        if self.native is None and not chosen:
+            # one line at start-up: which kernels, why, and what it costs
+            _warn_once(f"using torch's CPU kernels: decoding is about {TORCH_DECODE_SLOWDOWN}x slower than with the native ones",
+                       level="warning" if use_native else "info",
+                       reason=native.why_unavailable() if use_native else "SPECULANT_NATIVE=0")
+        elif self.native is not None:
+            _warn_once("native CPU kernels", level="debug", isa=native.isa_of(self.native))
         # An fp16 cache, as llama.cpp keeps by default: half the memory, and its rounding.
         self.kv_dtype = torch.float16 if self.native is not None else torch.float32
         if self.native is not None:

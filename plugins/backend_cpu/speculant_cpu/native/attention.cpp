@@ -7,9 +7,12 @@
 // at fixed offsets, a block-wise online softmax): llama.cpp splits the keys of such rows between
 // threads, so its bits cannot be had there anyway, and the fp16 rounding after every key is most
 // of the cost of a long context.
+// The vectors are vec16.h's 16 floats (a zmm, or two ymm on AVX2), so the bits are the same on
+// every ISA; the loops that hold many vectors in registers block them by the ISA's register count.
 #include <immintrin.h>
 
 #include "spk.h"
+#include "vec16.h"
 
 #include <cmath>
 #include <cstdint>
@@ -19,20 +22,18 @@
 
 namespace {
 
+using namespace spk;
+
 // fp32 dot of two fp16 vectors: four 16-lane accumulators over steps of 64, then pairwise.
 inline float dot_f16(const uint16_t* x, const uint16_t* y, int n) {
-    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    vf16 sum[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
     const int np = n & ~63;
     for (int i = 0; i < np; i += 64)
-        for (int j = 0; j < 4; ++j) {
-            const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i + 16 * j)));
-            const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(y + i + 16 * j)));
-            sum[j] = _mm512_fmadd_ps(a, b, sum[j]);
-        }
-    sum[0] = _mm512_add_ps(sum[0], sum[2]);
-    sum[1] = _mm512_add_ps(sum[1], sum[3]);
-    sum[0] = _mm512_add_ps(sum[0], sum[1]);
-    double rest = _mm512_reduce_add_ps(sum[0]);
+        for (int j = 0; j < 4; ++j) sum[j] = v_fmadd(v_load_f16(x + i + 16 * j), v_load_f16(y + i + 16 * j), sum[j]);
+    sum[0] = v_add(sum[0], sum[2]);
+    sum[1] = v_add(sum[1], sum[3]);
+    sum[0] = v_add(sum[0], sum[1]);
+    double rest = v_reduce_add(sum[0]);
     for (int i = np; i < n; ++i) rest += (double)_cvtsh_ss(x[i]) * (double)_cvtsh_ss(y[i]);
     return (float)rest;
 }
@@ -40,21 +41,14 @@ inline float dot_f16(const uint16_t* x, const uint16_t* y, int n) {
 // y = fp16(y * v), elementwise
 inline void scale_f16(uint16_t* y, float v, int n) {
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(y + i))), _mm512_set1_ps(v));
-        _mm256_storeu_si256((__m256i*)(y + i), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
-    }
+    for (; i + 16 <= n; i += 16) v_store_f16(y + i, v_mul(v_load_f16(y + i), v_set1(v)));
     for (; i < n; ++i) y[i] = _cvtss_sh(_cvtsh_ss(y[i]) * v, _MM_FROUND_TO_NEAREST_INT);
 }
 
 // y = fp16(x * v + y), elementwise (one fp32 fma, then rounding to fp16)
 inline void mad_f16(uint16_t* y, const uint16_t* x, float v, int n) {
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i)));
-        const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(y + i)));
-        _mm256_storeu_si256((__m256i*)(y + i), _mm512_cvtps_ph(_mm512_fmadd_ps(a, _mm512_set1_ps(v), b), _MM_FROUND_TO_NEAREST_INT));
-    }
+    for (; i + 16 <= n; i += 16) v_store_f16(y + i, v_fmadd(v_load_f16(x + i), v_set1(v), v_load_f16(y + i)));
     for (; i < n; ++i) y[i] = _cvtss_sh(std::fma(_cvtsh_ss(x[i]), v, _cvtsh_ss(y[i])), _MM_FROUND_TO_NEAREST_INT);
 }
 
@@ -81,37 +75,13 @@ constexpr int MAX_HEAD_DIM = 1024;
 
 int64_t first_key(const AttentionCall& c, int64_t p) { return c.window > 0 ? std::max<int64_t>(0, p + 1 - c.window) : 0; }
 
-// expf of 16 floats within 1.5 ulp (Cephes' polynomial on [-ln2/2, ln2/2], then 2^n; checked on
-// every float in [-87, 0]), for the fp32 path. Arguments are clamped below at -104, where the result is 0 or a denormal; callers
-// zero the lanes that must weigh nothing.
-inline __m512 exp16_fast(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(y, n);
-}
-
-inline float exp_fast(float x) { return _mm512_cvtss_f32(exp16_fast(_mm512_set1_ps(x))); }
-
-// The sum of 16 lanes in a fixed tree: halves, quarters, pairs (fast_reference spells it out).
-inline float sum16(__m512 x) {
-    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm512_cvtss_f32(x);
-}
+// exp16_fast and exp_fast (the fp32 path), exp16_like_libm (llama.cpp's): vec16.h.
 
 constexpr int KEY_BLOCK = 16;
 constexpr int DOT_CHAINS = 4;  // a score is 4 fma chains over the dims d % 4, summed as a tree
+// vf16 accumulators the value loops keep in registers: those shared by a group of pairs, and
+// one pair's (at most 8). AVX2's 16 ymm hold a quarter of what AVX-512's 32 zmm hold of them.
+constexpr int ACC_VECS = SPK_AVX512 ? 16 : 4, ONE_VECS = SPK_AVX512 ? 8 : 4;
 
 // The fp32 path for one pair, scalar, in the grouped kernel's operation order: the reference it
 // is tested against bit for bit. Blocks of 16 keys start at multiples of 16 of the key index, so a
@@ -132,7 +102,7 @@ void fast_reference(const AttentionCall& c, const float* qh, const uint16_t* kh,
         }
         const float m = std::max(M, bmax), corr = M == -INFINITY ? 0.f : exp_fast(M - m);
         for (int u = ua; u < ub; ++u) e[u] = exp_fast(s[u] - m);
-        float h[KEY_BLOCK], g[KEY_BLOCK];  // sum16's tree
+        float h[KEY_BLOCK], g[KEY_BLOCK];  // v_sum16's tree
         for (int i = 0; i < 16; ++i) h[i] = e[i] + e[i ^ 8];
         for (int i = 0; i < 16; ++i) g[i] = h[i] + h[i ^ 4];
         for (int i = 0; i < 16; ++i) h[i] = g[i] + g[i ^ 2];
@@ -186,54 +156,6 @@ void attend_one(int64_t item, void* ctx) {
     for (int d = 0; d < c.dv; ++d) o[d] = _cvtsh_ss(acc[d]) * s_inv;
 }
 
-// expf of 16 floats with the bits of glibc's expf (the algorithm of its x86-64 FMA build: a
-// 32-entry table of 2^(i/32) and a cubic in double precision), checked against libm for every
-// float in [-104, 0] (spk_exp_check). Softmax calls exp once per key and (row, head); one vector
-// call per 16 keys instead of 16 library calls, with the numerics unchanged.
-struct ExpTable {
-    uint64_t t[32];
-    ExpTable() {
-        for (int i = 0; i < 32; ++i) {
-            const double v = (double)exp2l((long double)i / 32);
-            uint64_t bits;
-            std::memcpy(&bits, &v, 8);
-            t[i] = bits - ((uint64_t)i << 47);
-        }
-    }
-};
-const ExpTable g_exp_table;
-
-inline __m256 exp8_like_libm(__m256 x) {
-    const __m512d inv_ln2_n = _mm512_set1_pd(0x1.71547652b82fep+0 * 32), shift = _mm512_set1_pd(0x1.8p+52);
-    const __m512d c0 = _mm512_set1_pd(0x1.c6af84b912394p-5 / (32.0 * 32 * 32));
-    const __m512d c1 = _mm512_set1_pd(0x1.ebfce50fac4f3p-3 / (32.0 * 32));
-    const __m512d c2 = _mm512_set1_pd(0x1.62e42ff0c52d6p-1 / 32);
-    const __m512d xd = _mm512_cvtps_pd(x);
-    const __m512d z = _mm512_mul_pd(inv_ln2_n, xd);
-    __m512d kd = _mm512_add_pd(z, shift);  // round to nearest integer
-    const __m512i ki = _mm512_castpd_si512(kd);
-    kd = _mm512_sub_pd(kd, shift);
-    const __m512d r = _mm512_fmadd_pd(inv_ln2_n, xd, _mm512_sub_pd(_mm512_setzero_pd(), kd));
-    __m512i t = _mm512_i64gather_epi64(_mm512_and_si512(ki, _mm512_set1_epi64(31)), (const long long*)g_exp_table.t, 8);
-    t = _mm512_add_epi64(t, _mm512_slli_epi64(ki, 47));
-    const __m512d sc = _mm512_castsi512_pd(t);
-    const __m512d p = _mm512_fmadd_pd(c0, r, c1);
-    const __m512d r2 = _mm512_mul_pd(r, r);
-    __m512d y = _mm512_fmadd_pd(c2, r, _mm512_set1_pd(1.0));
-    y = _mm512_mul_pd(_mm512_fmadd_pd(p, r2, y), sc);
-    __m256 out = _mm512_cvtpd_ps(y);
-    // below log(2^-150) the result is 0 (also -inf); above log(2^128), +inf; NaN stays NaN
-    out = _mm256_mask_blend_ps(_mm256_cmp_ps_mask(x, _mm256_set1_ps(-0x1.9fe368p6f), _CMP_LT_OQ), out, _mm256_setzero_ps());
-    out = _mm256_mask_blend_ps(_mm256_cmp_ps_mask(x, _mm256_set1_ps(0x1.62e42ep6f), _CMP_GT_OQ), out, _mm256_set1_ps(INFINITY));
-    return out;
-}
-
-inline __m512 exp16_like_libm(__m512 x) {
-    const __m256 lo = exp8_like_libm(_mm512_castps512_ps256(x));
-    const __m256 hi = exp8_like_libm(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-}
-
 // The same arithmetic as attend_one for a chunk of the pairs that share one kv head (the query
 // heads of a GQA group, over one or more rows), in blocks of 16 keys: each key and value row is
 // converted from fp16 once for the whole chunk, a pair's 16 dot products are independent work,
@@ -250,7 +172,7 @@ struct KeyWeight {
 
 inline void to_f32(float* y, const uint16_t* x, int n) {
     int i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i))));
+    for (; i + 16 <= n; i += 16) v_store(y + i, v_load_f16(x + i));
     for (; i < n; ++i) y[i] = _cvtsh_ss(x[i]);
 }
 
@@ -261,6 +183,7 @@ struct PairState {
     float M, S;
 };
 
+#if SPK_AVX512
 // 16 vectors of 16 floats transposed in registers: r[i][u] becomes r[u][i].
 inline void transpose16(__m512 r[16]) {
     __m512 t[16];
@@ -300,12 +223,48 @@ inline void keys_transposed(float* kt, const uint16_t* k, int nb, int dk) {
         for (int i = 0; i < w; ++i) _mm512_storeu_ps(kt + (d0 + i) * 16, r[i]);
     }
 }
+#else
+// 8 vectors of 8 floats transposed in registers: r[i][u] becomes r[u][i].
+inline void transpose8(__m256 r[8]) {
+    __m256 t[8], q[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // q[4i + k], 128-bit lane l: column 4l + k of rows 4i..4i+3
+        q[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        q[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        q[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        q[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        r[k] = _mm256_permute2f128_ps(q[k], q[4 + k], 0x20);
+        r[4 + k] = _mm256_permute2f128_ps(q[k], q[4 + k], 0x31);
+    }
+}
+
+// Keys 0..nb-1 of k (rows of dk fp16) to fp32 and transposed: kt[d * 16 + u] = k[u][d], 0 for u >= nb.
+inline void keys_transposed(float* kt, const uint16_t* k, int nb, int dk) {
+    const int d8 = dk & ~7;
+    for (int d0 = 0; d0 < d8; d0 += 8)
+        for (int h = 0; h < 2; ++h) {  // keys 8h .. 8h + 7
+            __m256 r[8];
+            for (int u = 0; u < 8; ++u)
+                r[u] = 8 * h + u < nb ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(k + (int64_t)(8 * h + u) * dk + d0))) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * 16 + 8 * h, r[i]);
+        }
+    for (int d = d8; d < dk; ++d)
+        for (int u = 0; u < 16; ++u) kt[d * 16 + u] = u < nb ? _cvtsh_ss(k[(int64_t)u * dk + d]) : 0.f;
+}
+#endif
 
 // The 16 scores of P pairs (queries q[i]) against a block of keys transposed (kt): each key row
 // loaded once for the P pairs, DOT_CHAINS fma chains per pair. The arithmetic of a pair is the
-// same whatever P.
+// same whatever P (and on AVX2, where the lanes go in two halves of 8, two pairs at a time).
+#if SPK_AVX512
 template <int P>
-inline void block_scores(const float* const* q, const float* kt, int dk, __m512* s) {
+inline void block_scores(const float* const* q, const float* kt, int dk, vf16* s) {
     __m512 a[P][DOT_CHAINS];
     for (int i = 0; i < P; ++i)
         for (int w = 0; w < DOT_CHAINS; ++w) a[i][w] = _mm512_setzero_ps();
@@ -321,34 +280,70 @@ inline void block_scores(const float* const* q, const float* kt, int dk, __m512*
     }
     for (int i = 0; i < P; ++i) s[i] = _mm512_add_ps(_mm512_add_ps(a[i][0], a[i][1]), _mm512_add_ps(a[i][2], a[i][3]));
 }
+#else
+// Lanes 8h .. 8h + 7 of the scores of P <= 2 pairs.
+template <int P>
+inline void half_scores(const float* const* q, const float* kt, int dk, int h, __m256* s) {
+    __m256 a[P][DOT_CHAINS];
+    for (int i = 0; i < P; ++i)
+        for (int w = 0; w < DOT_CHAINS; ++w) a[i][w] = _mm256_setzero_ps();
+    kt += 8 * h;
+    int d = 0;
+    for (; d + DOT_CHAINS <= dk; d += DOT_CHAINS)
+        for (int w = 0; w < DOT_CHAINS; ++w) {
+            const __m256 kd = _mm256_loadu_ps(kt + (d + w) * 16);
+            for (int i = 0; i < P; ++i) a[i][w] = _mm256_fmadd_ps(_mm256_set1_ps(q[i][d + w]), kd, a[i][w]);
+        }
+    for (; d < dk; ++d) {
+        const __m256 kd = _mm256_loadu_ps(kt + d * 16);
+        for (int i = 0; i < P; ++i) a[i][d % DOT_CHAINS] = _mm256_fmadd_ps(_mm256_set1_ps(q[i][d]), kd, a[i][d % DOT_CHAINS]);
+    }
+    for (int i = 0; i < P; ++i) s[i] = _mm256_add_ps(_mm256_add_ps(a[i][0], a[i][1]), _mm256_add_ps(a[i][2], a[i][3]));
+}
+
+template <int P>
+inline void block_scores(const float* const* q, const float* kt, int dk, vf16* s) {
+    for (int i = 0; i < P; i += 2) {
+        __m256 lo[2], hi[2];
+        if (i + 1 < P) {
+            half_scores<2>(q + i, kt, dk, 0, lo);
+            half_scores<2>(q + i, kt, dk, 1, hi);
+        } else {
+            half_scores<1>(q + i, kt, dk, 0, lo);
+            half_scores<1>(q + i, kt, dk, 1, hi);
+        }
+        for (int j = 0; j < 2 && i + j < P; ++j) s[i + j] = {lo[j], hi[j]};
+    }
+}
+#endif
 
 // acc[0, 16 NV) = acc * corr + sum of w[u] V_u over keys ua..ub-1, the NV vectors in registers
 // through the keys (one broadcast per key for NV fmas).
 template <int NV>
-inline void accumulate(float* acc, const float* vf, int dvp, const float* w, int ua, int ub, __m512 corr) {
-    __m512 x[NV];
-    for (int i = 0; i < NV; ++i) x[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), corr);
+inline void accumulate(float* acc, const float* vf, int dvp, const float* w, int ua, int ub, vf16 corr) {
+    vf16 x[NV];
+    for (int i = 0; i < NV; ++i) x[i] = v_mul(v_load(acc + 16 * i), corr);
     for (int u = ua; u < ub; ++u) {
-        const __m512 wu = _mm512_set1_ps(w[u]);
-        for (int i = 0; i < NV; ++i) x[i] = _mm512_fmadd_ps(wu, _mm512_loadu_ps(vf + u * dvp + 16 * i), x[i]);
+        const vf16 wu = v_set1(w[u]);
+        for (int i = 0; i < NV; ++i) x[i] = v_fmadd(wu, v_load(vf + u * dvp + 16 * i), x[i]);
     }
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, x[i]);
+    for (int i = 0; i < NV; ++i) v_store(acc + 16 * i, x[i]);
 }
 
 // The online softmax step of one pair on the fp32 path for a block (fast_reference's
 // arithmetic), given its scores s: the block's weights w (0 outside keys ua..ub-1) and the factor
 // corr that rescales what the pair has accumulated so far.
-inline __m512 softmax_step(PairState& st, __m512 s, int ua, int ub, float* w) {
+inline vf16 softmax_step(PairState& st, vf16 s, int ua, int ub, float* w) {
     // keys outside the pair's range weigh exactly 0, whatever the cache holds there
-    const __mmask16 valid = (__mmask16)(((1u << ub) - 1) & ~((1u << ua) - 1));
-    s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s);
-    const float m = std::max(st.M, _mm512_reduce_max_ps(s));
+    const mask16 valid = m_range(ua, ub);
+    s = v_blend(valid, v_set1(-INFINITY), s);
+    const float m = std::max(st.M, v_reduce_max(s));
     const float corr = st.M == -INFINITY ? 0.f : exp_fast(st.M - m);
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp16_fast(_mm512_sub_ps(s, _mm512_set1_ps(m))));
-    st.S = std::fma(st.S, corr, sum16(e));
+    const vf16 e = v_maskz(valid, exp16_fast(v_sub(s, v_set1(m))));
+    st.S = std::fma(st.S, corr, v_sum16(e));
     st.M = m;
-    _mm512_store_ps(w, e);
-    return _mm512_set1_ps(corr);
+    v_store(w, e);
+    return v_set1(corr);
 }
 
 // The values of a block for P pairs with the same key range ua..ub-1: acc_i = acc_i * corr_i + sum
@@ -357,26 +352,26 @@ inline __m512 softmax_step(PairState& st, __m512 s, int ua, int ub, float* w) {
 // Vectors [v0, v0 + NV) of the rows.
 template <int P, int NV>
 inline void accumulate_pairs(float* const* acc, const float* vf, int dvp, const float* const* w, int ua, int ub,
-                             const __m512* corr, int v0) {
-    __m512 x[P][NV];
+                             const vf16* corr, int v0) {
+    vf16 x[P][NV];
     for (int i = 0; i < P; ++i)
-        for (int j = 0; j < NV; ++j) x[i][j] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16 * (v0 + j)), corr[i]);
+        for (int j = 0; j < NV; ++j) x[i][j] = v_mul(v_load(acc[i] + 16 * (v0 + j)), corr[i]);
     for (int u = ua; u < ub; ++u) {
-        __m512 vu[NV];
-        for (int j = 0; j < NV; ++j) vu[j] = _mm512_loadu_ps(vf + u * dvp + 16 * (v0 + j));
+        vf16 vu[NV];
+        for (int j = 0; j < NV; ++j) vu[j] = v_load(vf + u * dvp + 16 * (v0 + j));
         for (int i = 0; i < P; ++i) {
-            const __m512 wu = _mm512_set1_ps(w[i][u]);
-            for (int j = 0; j < NV; ++j) x[i][j] = _mm512_fmadd_ps(wu, vu[j], x[i][j]);
+            const vf16 wu = v_set1(w[i][u]);
+            for (int j = 0; j < NV; ++j) x[i][j] = v_fmadd(wu, vu[j], x[i][j]);
         }
     }
     for (int i = 0; i < P; ++i)
-        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc[i] + 16 * (v0 + j), x[i][j]);
+        for (int j = 0; j < NV; ++j) v_store(acc[i] + 16 * (v0 + j), x[i][j]);
 }
 
 // The values of a block for P pairs (2 <= P <= 4) that share the key range ua..ub-1.
 template <int P>
-inline void values_shared(float* const* acc, const float* vf, int dvp, const float* const* w, int ua, int ub, const __m512* corr) {
-    constexpr int NV = 16 / P;  // P * NV accumulators in registers
+inline void values_shared(float* const* acc, const float* vf, int dvp, const float* const* w, int ua, int ub, const vf16* corr) {
+    constexpr int NV = std::max(1, ACC_VECS / P);  // P * NV accumulators in registers
     const int nvec = dvp / 16;
     int v0 = 0;
     for (; v0 + NV <= nvec; v0 += NV) accumulate_pairs<P, NV>(acc, vf, dvp, w, ua, ub, corr, v0);
@@ -384,11 +379,11 @@ inline void values_shared(float* const* acc, const float* vf, int dvp, const flo
 }
 
 // The values of a block for one pair (its own key range).
-inline void values_one(float* acc, const float* vf, int dvp, const float* w, int ua, int ub, __m512 cv) {
-    for (int i = 0; i < dvp; i += 128) {
+inline void values_one(float* acc, const float* vf, int dvp, const float* w, int ua, int ub, vf16 cv) {
+    for (int i = 0; i < dvp; i += 16 * ONE_VECS) {
         float* a = acc + i;
         const float* v = vf + i;
-        switch (std::min(8, (dvp - i) / 16)) {
+        switch (std::min(ONE_VECS, (dvp - i) / 16)) {
             case 8: accumulate<8>(a, v, dvp, w, ua, ub, cv); break;
             case 7: accumulate<7>(a, v, dvp, w, ua, ub, cv); break;
             case 6: accumulate<6>(a, v, dvp, w, ua, ub, cv); break;
@@ -461,7 +456,7 @@ void attend_chunk(int64_t item, void* ctx) {
             for (size_t f = 0; f < active.size(); f += 4) {  // scores four pairs at a time
                 const int P = (int)std::min<size_t>(4, active.size() - f);
                 const float* qs[4];
-                __m512 s[4];
+                vf16 s[4];
                 for (int i = 0; i < P; ++i) qs[i] = pairs[active[f + i]].q;
                 switch (P) {
                     case 4: block_scores<4>(qs, ktbuf.data(), c.dk, s); break;
@@ -474,7 +469,7 @@ void attend_chunk(int64_t item, void* ctx) {
                 alignas(64) float w[4][KEY_BLOCK];
                 const float* wp[4];
                 float* accs[4];
-                __m512 corr[4];
+                vf16 corr[4];
                 int ua[4], ub[4];
                 bool same = true;
                 for (int i = 0; i < P; ++i) {
@@ -510,14 +505,13 @@ void attend_chunk(int64_t item, void* ctx) {
             alignas(64) float s[KEY_BLOCK], arg[KEY_BLOCK], e[KEY_BLOCK];
             for (int u = ua; u < ub; ++u) {
                 const float* kf = kbuf.data() + u * c.dk;
-                __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                vf16 sum[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
                 for (int i = 0; i < np; i += 64)
-                    for (int w = 0; w < 4; ++w)
-                        sum[w] = _mm512_fmadd_ps(_mm512_loadu_ps(kf + i + 16 * w), _mm512_loadu_ps(st.q + i + 16 * w), sum[w]);
-                sum[0] = _mm512_add_ps(sum[0], sum[2]);
-                sum[1] = _mm512_add_ps(sum[1], sum[3]);
-                sum[0] = _mm512_add_ps(sum[0], sum[1]);
-                double rest = _mm512_reduce_add_ps(sum[0]);
+                    for (int w = 0; w < 4; ++w) sum[w] = v_fmadd(v_load(kf + i + 16 * w), v_load(st.q + i + 16 * w), sum[w]);
+                sum[0] = v_add(sum[0], sum[2]);
+                sum[1] = v_add(sum[1], sum[3]);
+                sum[0] = v_add(sum[0], sum[1]);
+                double rest = v_reduce_add(sum[0]);
                 for (int i = np; i < c.dk; ++i) rest += (double)kf[i] * (double)st.q[i];
                 s[u] = (float)rest * c.scale;
             }
@@ -535,7 +529,7 @@ void attend_chunk(int64_t item, void* ctx) {
                 }
             }
             st.M = M;
-            _mm512_store_ps(e, exp16_like_libm(_mm512_load_ps(arg)));
+            v_store(e, exp16_like_libm(v_load(arg)));
             for (int u = 0; u < KEY_BLOCK; ++u) {  // (ms, vs) of each key of the pair's range
                 const bool inside = u >= ua && u < ub, grew = new_max >> u & 1;
                 weights[(size_t)u * n + t] = {grew ? e[u] : 1.f, grew ? 1.f : e[u], inside, inside && grew};
@@ -551,12 +545,8 @@ void attend_chunk(int64_t item, void* ctx) {
                 uint16_t* acc = accbuf.data() + (size_t)t * c.dv;
                 if (w.rescale) scale_f16(acc, w.ms, c.dv);
                 // mad_f16(acc, V_j, vs) with V_j already converted
-                const __m512 vv = _mm512_set1_ps(w.vs);
-                for (int i = 0; i < nv; ++i) {
-                    const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(acc + 16 * i)));
-                    _mm256_storeu_si256((__m256i*)(acc + 16 * i),
-                                        _mm512_cvtps_ph(_mm512_fmadd_ps(_mm512_loadu_ps(vf + 16 * i), vv, b), _MM_FROUND_TO_NEAREST_INT));
-                }
+                const vf16 vv = v_set1(w.vs);
+                for (int i = 0; i < nv; ++i) v_store_f16(acc + 16 * i, v_fmadd(v_load(vf + 16 * i), vv, v_load_f16(acc + 16 * i)));
                 for (int i = 16 * nv; i < c.dv; ++i)
                     acc[i] = _cvtss_sh(std::fma(vf[i], w.vs, _cvtsh_ss(acc[i])), _MM_FROUND_TO_NEAREST_INT);
                 pairs[t].S = std::fma(pairs[t].S, w.ms, w.vs);  // as attend_one
@@ -609,6 +599,22 @@ int spk_attention_f16(const float* q, int64_t rows, int n_head, int n_kv, int dk
     return 0;
 }
 
+// y[i] = exp(x[i]) by one of the library's vector exps (for tests: every ISA must give the same
+// bits): 0 the libm-exact one (llama.cpp's attention), 1 the fp32 attention's, 2 ggml's (SwiGLU).
+// Returns -1 for another `which`.
+int spk_vexp(int which, const float* x, int64_t n, float* y) {
+    if (which < 0 || which > 2) return -1;
+    alignas(64) float in[16], out[16];
+    for (int64_t i = 0; i < n; i += 16) {
+        const int w = (int)std::min<int64_t>(16, n - i);
+        for (int j = 0; j < 16; ++j) in[j] = j < w ? x[i + j] : 0.f;
+        const vf16 v = v_load(in);
+        v_store(out, which == 0 ? exp16_like_libm(v) : which == 1 ? exp16_fast(v) : exp16_ggml(v));
+        std::memcpy(y + i, out, 4 * w);
+    }
+    return 0;
+}
+
 // Floats x with bit patterns first, first + step, ... <= last where the vector exp differs from
 // libm's expf: 0 is what the attention's bit-for-bit guarantee rests on (a test runs this).
 int64_t spk_exp_check(uint32_t first, uint32_t last, uint32_t step) {
@@ -616,7 +622,7 @@ int64_t spk_exp_check(uint32_t first, uint32_t last, uint32_t step) {
     alignas(64) float x[16], y[16];
     int n = 0;
     auto flush = [&]() {
-        _mm512_store_ps(y, exp16_like_libm(_mm512_load_ps(x)));
+        v_store(y, exp16_like_libm(v_load(x)));
         for (int i = 0; i < n; ++i) {
             const float ref = std::exp(x[i]);
             bad += std::memcmp(&ref, &y[i], 4) != 0;

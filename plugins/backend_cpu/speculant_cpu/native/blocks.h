@@ -3,6 +3,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <cstddef>
 #include <cstdint>
 

@@ -1,6 +1,6 @@
 // CPU feature detection: whether the AMX kernel can run here (the CPU has AMX-TILE and
 // AMX-INT8, the library was built with them, Linux granted this process the tile state, and
-// SPECULANT_AMX is not 0), and the C API that reports it.
+// SPECULANT_AMX is not 0), and the C API that reports it and the ISA the library was built for.
 #include "kernels.h"
 
 #ifdef SPK_AMX
@@ -40,6 +40,10 @@ extern "C" {
 // 1 when the Q4_K/Q6_K AMX path can run here (the CPU has AMX-INT8, the library was built with
 // it, Linux granted the tile state, SPECULANT_AMX is not 0).
 int spk_amx_available() { return amx_ok() ? 1 : 0; }
+
+// The instruction set the library was built for (isa.h): 1 AVX-512 (VNNI), 2 AVX2 with AVX-VNNI,
+// 3 AVX2 without it.
+int spk_isa() { return SPK_ISA_ID; }
 
 // 1 when the library was compiled with the AMX kernel (a compiler that knows AMX, -march=native on
 // a CPU that has it).

@@ -1,7 +1,8 @@
 // Element-wise pieces of the forward pass with llama.cpp's CPU arithmetic, operation for
 // operation, so that a forward's float results can be llama.cpp's bit for bit:
 //   spk_swiglu      silu(x) * g with ggml's AVX-512 exp approximation (a degree-5 polynomial on
-//                   the reduced argument, then scalef), libm's expf for a row's tail
+//                   the reduced argument, then scalef; vec16.h, the same bits on AVX2), libm's
+//                   expf for a row's last values short of 16
 //   spk_gelu_table  tanh-GELU of every fp16 value, rounded to fp16 (ggml evaluates GELU from
 //                   such a table)
 //   spk_rope_table  the rotary cos/sin of each position: the angle chained in float
@@ -13,6 +14,7 @@
 #include <immintrin.h>
 
 #include "spk.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,29 +26,12 @@ namespace {
 constexpr int64_t SWIGLU_PIECE = 2048;  // values per work item (a multiple of 16)
 constexpr int64_t RMS_ROWS = 8;         // rows whose sums of squares run side by side
 
-// exp(x) as ggml_v_expf computes it: n = round(x / ln 2) through the 1.5 * 2^23 shift, b = x -
-// n ln 2 in two FMA steps (ln 2 split into a high and a low part), a polynomial in b, times 2^n;
-// |n| > 192 saturates to +inf (n > 0) or 0.
-inline __m512 exp_ggml(__m512 x) {
-    const __m512 shift = _mm512_set1_ps(0x1.8p23f);
-    const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), shift);
-    const __m512 n = _mm512_sub_ps(z, shift);
-    const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
-    const __mmask16 out_of_range = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
-    const __m512 u = _mm512_mul_ps(b, b);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
-                                      _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f)));
-    const __m512 j = _mm512_fmadd_ps(hi, u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
-    const __m512 res = _mm512_scalef_ps(j, n);
-    if (!out_of_range) return res;
-    const __m512 saturated = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ),
-                                                  _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
-    return _mm512_mask_blend_ps(out_of_range, res, saturated);
-}
+using namespace spk;
 
-inline __m512 silu_ggml(__m512 x) {
-    const __m512 e = exp_ggml(_mm512_sub_ps(_mm512_setzero_ps(), x));
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+// silu(x) = x / (1 + exp(-x)), with ggml's AVX-512 vector exp (vec16.h's exp16_ggml, on every ISA)
+inline vf16 silu_ggml(vf16 x) {
+    const vf16 e = exp16_ggml(v_sub(v_zero(), x));
+    return v_div(x, v_add(v_set1(1.0f), e));
 }
 
 // One RMSNorm for R rows side by side (spk_rms_norm).
@@ -79,7 +64,7 @@ void spk_swiglu(const float* x, const float* g, float* y, int64_t rows, int64_t 
         float* y = c.y + r * c.n;
         int64_t i = i0;
         for (; i + 16 <= i1; i += 16)
-            _mm512_storeu_ps(y + i, _mm512_mul_ps(silu_ggml(_mm512_loadu_ps(x + i)), _mm512_loadu_ps(g + i)));
+            v_store(y + i, v_mul(silu_ggml(v_load(x + i)), v_load(g + i)));
         for (; i < i1; ++i) y[i] = x[i] / (1.0f + expf(-x[i])) * g[i];
     };
     if (rows == 1) {  // a decode row: not worth waking the pool

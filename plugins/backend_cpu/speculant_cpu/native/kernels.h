@@ -47,12 +47,9 @@
 // kernels to their one caller (constant-propagated clones, the same inlining), and the machine
 // code of the row kernels is what it was before the split (compared function by function).
 #pragma once
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
-#error "speculant's native kernels need AVX-512 F/BW/VL/VNNI and F16C"
-#endif
-
 #include <immintrin.h>
 
+#include "isa.h"
 #include "spk.h"
 #include "blocks.h"
 
@@ -109,7 +106,7 @@ class Pool;
 Pool& pool();
 extern std::mutex g_call_mu;  // one matmul at a time: the pool and the activation buffer are shared
 
-// tiled.cpp: weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX)
+// tiled.cpp (AVX-512 builds): weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX)
 // in the AMX layout, on VNNI (Q4_K decode arithmetic, Q6_K canonical).
 void linear_tiled(int qtype, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
                   int64_t i1, float* y, int64_t ldy);

@@ -2,11 +2,17 @@
 // spk_linear_prompt and their knobs), the choice of path for a call (AMX, tiled VNNI or the
 // per-row VNNI kernels, by type, mode and row count), the activation quantization and the
 // split of the work over the threads, and the dispatcher that turns a runtime row count into
-// the row kernels' template argument.
+// the row kernels' template argument. The row kernels are the zmm ones (vnni_*.h) or the ymm ones
+// (avx2_*.h), by the ISA the library is built for (isa.h): the same functions, the same bits.
 #include "kernels.h"
 #include "pool.h"
+#if SPK_AVX512
 #include "vnni_b32.h"
 #include "vnni_k.h"
+#else
+#include "avx2_b32.h"
+#include "avx2_k.h"
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -77,7 +83,7 @@ using namespace spk;
 
 extern "C" {
 
-int spk_abi_version() { return 5; }
+int spk_abi_version() { return 6; }
 
 // Calls with at least `rows` rows take the AMX path where it has the call's type and mode (0:
 // never); returns the old value.
@@ -128,7 +134,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     // used, and the output head (k = 1536, 191 MB of Q6_K) at 8 rows took 13.9 ms tiled against
     // 8.0 on the per-row kernels (even at 16 rows; its FFN matrices, k = 8960, gain from 8).
     const int tiled_from = qtype == T_Q6_K ? 2 * g_tiled_min_rows : g_tiled_min_rows;
-    const bool tiled = !amx && ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_tiled_min_rows > 0 && m >= tiled_from;
+    const bool tiled = SPK_AVX512 && !amx && ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_tiled_min_rows > 0 && m >= tiled_from;
     g_last_path = amx ? 2 : tiled ? 3 : 1;
     Act& a = g_act;
     a.nb = nb;
@@ -153,7 +159,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         if (amx || tiled)
             quantize_q8k_block_amx(x, m, k, nb, qtype == T_Q4_K, qtype == T_Q4_K && !prompt, i / nb, (int)(i % nb), a);
         else if (bv == 256)
-            quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
+            quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K && Q4K_ACT_INTERLEAVED, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
                              a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
         else
             quantize_q80_row(x + i * k, nb, a.qs.data() + i * nb * 32, a.d.data() + i * nb);
@@ -167,7 +173,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         });
     }
 
-    if (bv == 32 && m >= 2) {  // the row pairs of dot_b32
+    if (SPK_AVX512 && bv == 32 && m >= 2) {  // the row pairs of the zmm dot_b32
         a.xp.resize((size_t)(m / 2) * nb * 64);
         a.dp.resize((size_t)(m / 2) * nb * 16);
         for (int64_t i = 0; i + 1 < m; i += 2)
@@ -194,12 +200,14 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             return;
         }
 #endif
+#if SPK_AVX512
         if (tiled) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
             const int64_t g0 = a0 / 16;
             const int ng = (int)((a1 - a0 + 15) / 16);
             linear_tiled(qtype, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n);
             return;
         }
+#endif
         if (a1 - a0 == 1 && !prompt) {  // decode: four weight rows at a time
             int64_t r = r0;
             for (; r + 4 <= r1; r += 4) {

@@ -12,7 +12,8 @@ namespace spk SPK_HIDDEN {
 
 // llama.cpp's quantize_row_q8_K for one block of 256: the value of largest magnitude (the first
 // such) maps to -127, round to nearest even. q in natural order; bs16/bs32: sums of each 16 / 32
-// values. (Vectorized; the same IEEE operations as llama.cpp's scalar loop.)
+// values. (Vectorized; the same IEEE operations as llama.cpp's scalar loop, on either ISA.)
+#if SPK_AVX512
 static void quantize_q8k_block(const float* x, int8_t* q, float* d, int16_t* bs16, int16_t* bs32) {
     __m512 v[16];
     __m512 am = _mm512_setzero_ps();
@@ -51,6 +52,46 @@ static void quantize_q8k_block(const float* x, int8_t* q, float* d, int16_t* bs1
     for (int g = 0; g < 16; ++g) bs16[g] = (int16_t)((int)(sad[2 * g] + sad[2 * g + 1]) - 16 * 128);
     for (int g = 0; g < 8; ++g) bs32[g] = (int16_t)(bs16[2 * g] + bs16[2 * g + 1]);
 }
+#else
+static void quantize_q8k_block(const float* x, int8_t* q, float* d, int16_t* bs16, int16_t* bs32) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 am = _mm256_setzero_ps();
+    for (int t = 0; t < 32; ++t) am = _mm256_max_ps(am, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * t)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    if (!(amax > 0.f)) {
+        std::memset(q, 0, 256);
+        *d = 0.f;
+        std::memset(bs16, 0, 32);
+        std::memset(bs32, 0, 16);
+        return;
+    }
+    float max = 0.f;
+    for (int t = 0; t < 32; ++t) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * t)), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (hit) { max = x[8 * t + __builtin_ctz(hit)]; break; }
+    }
+    const float iscale = -127.f / max;
+    const __m256 is = _mm256_set1_ps(iscale);
+    // dword o of the result is dword 4 (o % 2) + o / 2 of the in-lane packs
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    alignas(32) uint64_t sad[32];
+    for (int z = 0; z < 8; ++z) {
+        __m256i qi[4];
+        for (int t = 0; t < 4; ++t)  // cvtps2dq rounds to nearest even (the default MXCSR), as nearbyint does
+            qi[t] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(is, _mm256_loadu_ps(x + 32 * z + 8 * t))), _mm256_set1_epi32(127));
+        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
+        _mm256_storeu_si256((__m256i*)(q + 32 * z), q8);
+        // sums of each 8 values, as unsigned bytes q + 128
+        _mm256_store_si256((__m256i*)(sad + 4 * z), _mm256_sad_epu8(_mm256_xor_si256(q8, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256()));
+    }
+    *d = 1.f / iscale;
+    for (int g = 0; g < 16; ++g) bs16[g] = (int16_t)((int)(sad[2 * g] + sad[2 * g + 1]) - 16 * 128);
+    for (int g = 0; g < 8; ++g) bs32[g] = (int16_t)(bs16[2 * g] + bs16[2 * g + 1]);
+}
+#endif
 
 // VNNI layout. `q4k_order` stores each 128 values as [0..31, 64..95, 32..63, 96..127] so that a
 // 64-byte load lines up with the low or high nibbles of a Q4_K block's 64 packed bytes.

@@ -8,6 +8,7 @@ extern "C" {
 
 // library and threads
 int spk_abi_version();
+int spk_isa();  // 1 AVX-512, 2 AVX2 + AVX-VNNI, 3 AVX2 (cpu.cpp)
 void spk_set_threads(int n);
 int spk_threads();
 void spk_parallel_for(int64_t n, void (*fn)(int64_t, void*), void* ctx);  // for the other kernels; not bound
@@ -27,6 +28,7 @@ int spk_last_path();
 // attention (attention.cpp)
 int spk_attention_f16(const float* q, int64_t rows, int n_head, int n_kv, int dk, int dv, const uint16_t* k, const uint16_t* v, int64_t k_head_stride, int64_t v_head_stride, const int64_t* positions, int64_t window, float scale, float* out, int grouped, int64_t exact_below);
 int64_t spk_exp_check(uint32_t first, uint32_t last, uint32_t step);
+int spk_vexp(int which, const float* x, int64_t n, float* y);
 
 // element-wise (elementwise.cpp)
 void spk_swiglu(const float* x, const float* g, float* y, int64_t rows, int64_t n);

@@ -1,8 +1,12 @@
 // The tiled VNNI kernels: Q4_K (decode arithmetic) and Q6_K (canonical form) with the
 // activations in the AMX layout, for CPUs without AMX (or with it turned off) from a few rows.
 // 16 activation rows sit in a zmm's lanes, so the block sums need no horizontal reduction.
-#include "epilogue.h"
+// AVX-512 builds only (the AVX2 build runs every row count on its per-row kernels).
 #include "kernels.h"
+
+#if SPK_AVX512
+
+#include "epilogue.h"
 #include "unpack.h"
 
 #include <algorithm>
@@ -157,3 +161,5 @@ void linear_tiled(int qtype, const uint8_t* W, size_t row_bytes, int nb, int nr,
 }
 
 }  // namespace spk
+
+#endif  // SPK_AVX512

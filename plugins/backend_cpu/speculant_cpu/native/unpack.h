@@ -1,6 +1,7 @@
 // Reading Q4_K and Q6_K weight blocks into registers: the unpacked scales and values, the index
 // vectors that spread the scales, and the software prefetch of the weight stream. Shared by the
-// VNNI, tiled and AMX kernels, inline so it compiles into their inner loops.
+// VNNI, tiled and AMX kernels (the scales and the prefetch by the AVX2 ones too), inline so it
+// compiles into their inner loops.
 #pragma once
 #include <immintrin.h>
 
@@ -36,6 +37,8 @@ inline __m128i q4k_scales(const BlockQ4K& blk) {
     // (built in registers: loading u back through memory would stall on store forwarding)
     return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
 }
+
+#if SPK_AVX512  // the zmm forms (avx2_k.h has the ymm ones)
 
 // Index vectors giving each zmm of a Q4_K block its two sub-block scales: zmm z pairs sub-blocks
 // (0,2), (1,3), (4,6), (5,7); int16 lanes 0..15 take the first, 16..31 the second.
@@ -92,6 +95,8 @@ inline void q6k_values(const BlockQ6K& blk, __m512i q[4]) {
         q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hb);
     }
 }
+
+#endif  // SPK_AVX512
 
 }  // namespace
 }  // namespace spk

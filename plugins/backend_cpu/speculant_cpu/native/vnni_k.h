@@ -10,6 +10,9 @@
 namespace spk SPK_HIDDEN {
 namespace {  // internal to each file that includes it (see kernels.h)
 
+// The Q4_K activations in quantize.cpp's q4k_order, which lines them up with q4k_values' zmm.
+constexpr bool Q4K_ACT_INTERLEAVED = true;
+
 inline __m128i fold512(__m512i v) {
     const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
