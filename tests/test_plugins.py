@@ -26,7 +26,7 @@ from speculant_cpu.backend import CpuBackend
 from speculant_transformer.gemma3 import Gemma3Model
 from speculant_transformer.llama import LlamaModel
 
-ARCHS = ["gemma3", "lfm2", "llama", "qwen2", "qwen3"]  # the transformer plugin's
+ARCHS = ["gemma3", "lfm2", "llama", "qwen2", "qwen3", "qwen35"]  # the transformer plugin's
 ALL_ARCHS = sorted(ARCHS + ["eagle3"])  # with the eagle3 plugin's head layout
 
 
@@ -262,7 +262,7 @@ def test_env_lists_apply_to_third_party_plugins(fake_dists, monkeypatch):
 def test_get_unknown_name_lists_what_is_available(monkeypatch):
     monkeypatch.setenv("SPECULANT_PLUGINS", "cpu,transformer")  # no speculator plugins
     reg = load_registry()
-    with pytest.raises(SpeculantError, match=r"unknown architecture 'mamba' \(available: gemma3, lfm2, llama, qwen2, qwen3\)"):
+    with pytest.raises(SpeculantError, match=r"unknown architecture 'mamba' \(available: gemma3, lfm2, llama, qwen2, qwen3, qwen35\)"):
         reg.get("architecture", "mamba")
     with pytest.raises(SpeculantError, match=r"unknown speculator 'eagle3' \(available: none installed\)"):
         reg.get("speculator", "eagle3")

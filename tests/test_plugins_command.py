@@ -71,7 +71,7 @@ def test_json(capsys):
     assert suffix["hooks"] == ["speculant_add_options", "speculant_register_speculators"]
     assert suffix["registers"] == [{"kind": "speculator", "name": "suffix", "object": "speculant_suffix.speculator.SuffixSpeculator",
                                     "hooks": ["accept", "begin", "checkpoint", "end", "propose", "truncate"]}]
-    assert [r["name"] for r in rows["transformer"]["registers"]] == ["gemma3", "lfm2", "llama", "qwen2", "qwen3"]
+    assert [r["name"] for r in rows["transformer"]["registers"]] == ["gemma3", "lfm2", "llama", "qwen2", "qwen3", "qwen35"]
 
 
 def test_broken_plugins_are_reported_and_skipped(capsys, install, caplog):
