@@ -44,7 +44,8 @@ N_VOCAB = 151936  # the 1.5B's ids, so its answers can be forced
 # Realistic widths (random weights): dimensions of the released small models of each family.
 PRESETS = {
     # Qwen3.5-0.8B-like: 24 layers, every 4th full attention, DeltaNet 16 heads x 128.
-    ("qwen35", "0.8b"): dict(n_embd=1024, n_layers=24, n_head=8, n_kv_head=2, head_dim=256, n_ff=3584),
+    ("qwen35", "0.8b"): dict(n_embd=1024, n_layers=24, n_head=8, n_kv_head=2, head_dim=256, n_ff=3584,
+                             full_attention_interval=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=16, ssm_d_conv=4),
     # LFM2-350M-like: 16 layers, 6 of them attention.
     ("lfm2", "350m"): dict(n_embd=1024, n_layers=16, n_head=16, n_kv_head=8, n_ff=4608,
                            attn_layers=(2, 5, 8, 10, 12, 14)),

@@ -17,10 +17,11 @@ class _SeqCache:
     k: list[torch.Tensor]  # per layer [n_kv_heads, capacity, head_dim]
     v: list[torch.Tensor]
     length: int = 0
+    reserved: int = 0  # the capacity, kept apart so that a cache of no layers (an all-recurrent stack) works
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.reserved
 
 
 @attrs.define
@@ -106,7 +107,7 @@ class KVCache:
             for layer in range(self.n_layers):
                 k[layer][:, : s.length] = s.k[layer][:, : s.length]
                 v[layer][:, : s.length] = s.v[layer][:, : s.length]
-        self.seqs[seq_id] = _SeqCache(k, v, s.length if s else 0)
+        self.seqs[seq_id] = _SeqCache(k, v, s.length if s else 0, cap)
 
     def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [n_kv_heads, rows, head_dim] at positions start.. and return views of the

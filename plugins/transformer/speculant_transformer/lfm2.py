@@ -22,9 +22,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from speculant import Batch, ForwardOutput, HybridCache, KVCache, ModelFileError, backend_kernel
+from speculant import Batch, ForwardOutput, HybridCache, KVCache, ModelFileError, backend_kernel, kv_layers
 from speculant.gguf import Tokenizer
-from speculant.hybrid import kv_layers
 
 from speculant_transformer.layers import DecoderModel, attend, batch_scope, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
 from speculant_transformer.llama import silu_times

@@ -401,9 +401,7 @@ class Qwen35Model(DecoderModel):
 
     def new_context(self, max_tokens: int) -> HybridCache:
         c = self.config
-        # at least one layer: KVCache reads its capacity off its first layer (a stack of
-        # recurrent layers only, a 2-layer draft, keeps one unused)
-        kv = KVCache(max(1, len(self.kv_index)), c.n_kv_head, c.head_dim, max_tokens, dtype=self.backend.kv_dtype,
+        kv = KVCache(len(self.kv_index), c.n_kv_head, c.head_dim, max_tokens, dtype=self.backend.kv_dtype,
                      device=self.backend.device)
         return HybridCache(kv, self.state_shapes())
 
