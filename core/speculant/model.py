@@ -133,6 +133,16 @@ class BackendKernels(Protocol):
         """GELU, tanh approximation."""
         ...
 
+    def gated_delta_net(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        decay: torch.Tensor, beta: torch.Tensor, scale: float,
+                        per_row: torch.Tensor | None = None) -> torch.Tensor:
+        """The Gated DeltaNet recurrence over one sequence's n rows, updating `state` [heads, d_v,
+        d_k] (float32, contiguous) in place: per row t and head h, S = S * decay[t, h];
+        S_j += ((v[t, h, j] - S_j . k[t, h]) * beta[t, h]) k[t, h]; out[t, h, j] = S_j . q[t, h] * scale.
+        q, k [n, heads, d_k], v [n, heads, d_v], decay, beta [n, heads]; `per_row` [n, heads, d_v,
+        d_k], where given, receives the state after each row. -> out [n, heads, d_v]."""
+        ...
+
 
 BACKEND_KERNELS = tuple(n for n in vars(BackendKernels) if not n.startswith("_"))
 

@@ -155,6 +155,7 @@ class CpuBackend:
         self.native = native.load() if use_native else None
         if self.native is not None:
             self.rms_norm, self.apply_rope = self._native_rms_norm, self._native_apply_rope
+            self.gated_delta_net = self._native_gated_delta_net
         self._gelu_table: torch.Tensor | None = None
         self.row_kinds: np.ndarray | None = None  # set inside `batch`: how each row is computed
         self.row_kinds_ptr: int | None = None
@@ -265,6 +266,23 @@ class CpuBackend:
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         self.native.spk_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.shape[0], gate.shape[-1])
+        return out
+
+    def _native_gated_delta_net(self, state, q, k, v, decay, beta, scale, per_row=None):
+        """The DeltaNet recurrence in one native call (ggml's dot-product order, its FMAs), heads
+        in parallel; see BackendKernels.gated_delta_net."""
+        n, hv, dk = q.shape
+        dv = v.shape[-1]
+        q, k, v = q.float().contiguous(), k.float().contiguous(), v.float().contiguous()
+        decay, beta = decay.float().contiguous(), beta.float().contiguous()
+        if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape) != (hv, dv, dk):
+            raise ValueError(f"gated_delta_net: state must be a contiguous float32 [{hv}, {dv}, {dk}] tensor")
+        if per_row is not None and (not per_row.is_contiguous() or tuple(per_row.shape) != (n, hv, dv, dk)):
+            raise ValueError(f"gated_delta_net: per_row must be a contiguous [{n}, {hv}, {dv}, {dk}] tensor")
+        out = torch.empty(n, hv, dv, dtype=torch.float32)
+        self.native.spk_gated_delta_net(state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
+                                        beta.data_ptr(), n, hv, dv, dk, scale, out.data_ptr(),
+                                        0 if per_row is None else per_row.data_ptr())
         return out
 
     # rms_norm and apply_rope are offered only with the native library (set in __init__); without

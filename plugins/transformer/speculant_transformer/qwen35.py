@@ -326,6 +326,20 @@ def ggml_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return s
 
 
+def delta_net_scan(s, q, k, v, decay, beta, scale: float, out, per_row) -> None:
+    """The Gated DeltaNet recurrence in torch, for backends without `gated_delta_net` (see
+    BackendKernels): one token at a time, the same arithmetic for any row count, s [hv, dv, dk]
+    updated in place."""
+    for t in range(q.shape[0]):
+        s.mul_(decay[t][:, None, None])  # ggml_vec_scale_f32
+        kt = k[t][:, None, :]
+        delta = (v[t] - ggml_dot(s, kt)) * beta[t][:, None]  # [hv, dv]
+        s.copy_(_fma(s, delta[:, :, None], kt))  # ggml_vec_mad_f32: S[j] += delta[j] k, FMAs
+        out[t] = ggml_dot(s, q[t][:, None, :]) * scale
+        if per_row is not None:
+            per_row[t] = s
+
+
 class Qwen35Model(DecoderModel):
     state_kind = "recurrent"
 
@@ -449,6 +463,7 @@ class Qwen35Model(DecoderModel):
         decay = _exp(g)
         scale = float(np.float32(1.0) / np.sqrt(np.float32(dk)))
         wants_rows = getattr(cache, "wants_rows", None)
+        native_scan = backend_kernel(self.backend, "gated_delta_net")
         out = h.new_empty(rows, hv, dk)
         for seq_id, a, b in groups:
             n = b - a
@@ -467,14 +482,10 @@ class Qwen35Model(DecoderModel):
             keep = cache.keep_rows if wants_rows is None else wants_rows(seq_id)
             s = state.clone()  # [hv, dv, dk]: row j is value channel j
             per_row = s.new_empty(n, hv, dk, dk) if keep else None
-            for t in range(n):  # one token at a time, the same arithmetic for any row count
-                s = s * decay[a + t][:, None, None]  # ggml_vec_scale_f32
-                kt = k[t][:, None, :]
-                delta = (v[t] - ggml_dot(s, kt)) * beta[a + t][:, None]  # [hv, dv]
-                s = _fma(s, delta[:, :, None], kt)  # ggml_vec_mad_f32: S[j] += delta[j] k, FMAs
-                out[a + t] = ggml_dot(s, q[t][:, None, :]) * scale
-                if per_row is not None:
-                    per_row[t] = s
+            if native_scan is not None:  # the backend's kernel: the same arithmetic, one call
+                out[a:b] = native_scan(s, q, k, v, decay[a:b], beta[a:b], scale, per_row)
+            else:
+                delta_net_scan(s, q, k, v, decay[a:b], beta[a:b], scale, out[a:b], per_row)
             conv_rows = x.unfold(1, c.d_conv - 1, 1)[:, 1:].permute(1, 0, 2).contiguous() if keep else None
             cache.write(seq_id, layer, [x[:, n:].contiguous(), s],
                         [conv_rows, per_row] if keep else None)

@@ -37,4 +37,7 @@ void spk_rope_table(const int64_t* pos, int64_t n, int n_dims, float base, float
 void spk_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void spk_rope_apply(float* x, const float* cos_t, const float* sin_t, int64_t rows, int64_t heads, int64_t d, int neox);
 
+// recurrent layers (deltanet.cpp)
+int spk_gated_delta_net(float* state, const float* q, const float* k, const float* v, const float* decay, const float* beta, int64_t n, int hv, int dv, int dk, float scale, float* out, float* per_row);
+
 }  // extern "C"
