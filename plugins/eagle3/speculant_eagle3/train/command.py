@@ -47,8 +47,9 @@ def run(args) -> int:
 
     from speculant_eagle3.layout import default_target_layers, write_head
     from speculant_eagle3.testing import head_config_for, target_embedding
-    from speculant_eagle3.train.data import collect, default_sources
-    from speculant_eagle3.train.loop import bf16_default, train
+    from speculant.training import bf16_default, collect, default_sources, eog_ids
+
+    from speculant_eagle3.train.loop import train
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,10 +59,12 @@ def run(args) -> int:
     cfg = head_config_for(args.model, n_draft_vocab=min(args.draft_vocab, target.info.n_vocab), n_ff=args.ffn,
                           target_layers=default_target_layers(target.info.n_layers))
     sources = args.source or default_sources()
-    manifest = collect(target, args.data, args.tokens, sources, cfg.target_layers, args.piece_tokens, log=log)
+    # The input of tap layer t is the output of layer t - 1 (the layers the target hands out).
+    manifest = collect(target, args.data, args.tokens, sources, tuple(t - 1 for t in cfg.target_layers), args.piece_tokens,
+                       tag={"taps": list(cfg.target_layers)}, log=log)
     log(f"data: {manifest['tokens']} tokens, {len(manifest['shards'])} shards in {args.data}")
     del target
-    always = sorted(set(_eog_ids(args.model)))
+    always = sorted(set(eog_ids(args.model)))
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
     net, d2t, acc, done = train(cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch,
                           window=args.window, steps=args.ttt, lr=args.lr, save_every=args.save_every, seed=args.seed,
@@ -76,12 +79,3 @@ def run(args) -> int:
         + ("" if done >= args.steps else " (rerun the same command to continue)"))
     return 0
 
-
-def _eog_ids(path: str) -> list[int]:
-    from speculant.gguf import read_gguf_metadata
-
-    meta = read_gguf_metadata(path)
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    ids = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-    ids += [i for i, t in enumerate(tokens) if t in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>")]
-    return [int(i) for i in ids if i is not None]

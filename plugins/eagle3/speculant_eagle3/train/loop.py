@@ -23,17 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from speculant.training import Shards, split
+
 from speculant_eagle3.layout import HeadConfig
-from speculant_eagle3.train.data import Shards
 from speculant_eagle3.train.net import Eagle3Net
 
 STEP_WEIGHT = 0.8
-
-
-def split(docs: list, held_every: int = 20) -> tuple[list, list]:
-    train = [d for i, d in enumerate(docs) if i % held_every != held_every - 1]
-    held = [d for i, d in enumerate(docs) if i % held_every == held_every - 1]
-    return train, held
 
 
 def draft_vocabulary(shards: Shards, docs: list, n_draft: int, n_vocab: int, always: list[int]) -> np.ndarray:
@@ -61,7 +56,7 @@ class Batches:
         # anchors p = start .. start+T-1; step j's token input t_{p+j+1}; its label: the target's
         # distribution at position p + j + 1
         tokens = torch.from_numpy(np.asarray(sh["tokens"][start + 1 : start + 1 + T + self.steps], dtype=np.int64))
-        taps = torch.from_numpy(np.asarray(sh["taps"][start : start + T], dtype=np.float32))
+        taps = torch.from_numpy(np.asarray(sh["hidden"][start : start + T], dtype=np.float32))
         ids = torch.from_numpy(np.asarray(sh["top_ids"][start + 1 : start + 1 + T + self.steps], dtype=np.int64))
         p = torch.from_numpy(np.asarray(sh["top_p"][start + 1 : start + 1 + T + self.steps], dtype=np.float32))
         return tokens, taps, ids, p, T
@@ -196,12 +191,3 @@ def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str,
     save(step)
     acc = evaluate(net, held_batches, held or train_docs[:8], steps, n=64)
     return net, d2t, acc, step
-
-
-def bf16_default() -> bool:
-    """bfloat16 autocast pays off where the CPU computes bf16 dot products natively."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags

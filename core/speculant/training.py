@@ -1,0 +1,250 @@
+"""Training data for drafters learned from a target (EAGLE3, MTP, DFlash heads): the corpus recipe
+and the target's own states and predictions over it, collected to disk, resumably.
+
+A trainer plugin (``speculant_add_trainers``) calls :func:`collect` with the target layers it needs
+and reads the result back with :class:`Shards`; two trainers share one recipe and one on-disk format.
+
+Recipe (no downloads): source files installed on this machine (:func:`default_sources`: the
+Python standard library, and the Python and C/C++ header files of the installed packages; or
+the caller's globs), taken in a fixed pseudo-random order (:func:`source_files`), cut into pieces
+of at most ``piece_tokens`` tokens, each wrapped as a chat turn in the target's own template (a
+user asking for the file, the assistant answering with the piece in a code block:
+:func:`pieces`). The target reads each turn as prompt rows (the fast path: no decoding), and for
+every position the shards keep
+
+    tokens   int32 [N]                the text
+    hidden   float16 [N, sum widths]  the target's hidden states of the requested layers,
+                                      concatenated in the order asked (layer i: the output of
+                                      target layer i, as ``Model.forward(hidden_layers=)`` gives
+                                      it; i = n_layers: the final-normed state)
+    top_ids  int32 [N, K]             the target's K most likely next tokens ...
+    top_p    float16 [N, K]           ... and their probabilities (temperature 1)
+    docs     int64 [n_docs + 1]       where each turn starts
+
+in shards of about ``SHARD_TOKENS`` rows, each a directory of .npy files that appears whole or
+not at all (memory-mapped when read). ``manifest.json`` lists the finished shards, how many
+pieces they used, the layers and the caller's ``tag``; rerunning the same collection continues
+after the last finished shard, and a directory collected for other layers or another tag is
+refused rather than mixed. Directories written before this module (EAGLE3's ``taps.npy`` and
+``"taps"`` manifests) read back the same way.
+
+Helpers for trainers: :func:`split` (every 20th document held out), :func:`eog_ids` (the target's
+end-of-generation tokens), :func:`target_tensor` (a target tensor dequantized), :func:`bf16_default`.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speculant.types import Batch
+
+__all__ = ["ASKS", "LANGS", "SHARD_TOKENS", "TOP_K", "Shards", "bf16_default", "collect", "default_sources", "eog_ids",
+           "pieces", "source_files", "split", "target_tensor"]
+
+SHARD_TOKENS = 16384
+TOP_K = 8
+ASKS = ("Show me the source of `{name}`.", "Write `{name}`.", "What does `{name}` contain? Show the code.",
+        "Print the next part of `{name}`.", "Give me the code of `{name}`, as it is.")
+LANGS = {".py": "python", ".h": "c", ".hpp": "cpp", ".c": "c", ".cc": "cpp", ".cpp": "cpp", ".md": "markdown", ".rst": "rst"}
+
+
+def default_sources() -> list[str]:
+    """Globs of the files the default recipe reads: Python's standard library, then the packages
+    installed beside it (their .py files, and C/C++ headers)."""
+    std, site = sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]
+    return [f"{std}/**/*.py", f"{site}/**/*.py", f"{site}/**/*.h"]
+
+
+def source_files(globs: list[str]) -> list[str]:
+    """Every matching file, in a fixed pseudo-random order (a hash of the path), so a rerun and
+    another machine with the same files take them in the same order. Tests and files under
+    200 bytes are left out."""
+    files = {os.path.realpath(f) for g in globs for f in glob.glob(g, recursive=True) if os.path.isfile(f)}
+    files = [f for f in files if "/test" not in f and os.path.getsize(f) > 200]
+    return sorted(files, key=lambda f: hashlib.sha256(f.encode()).hexdigest())
+
+
+def pieces(files: list[str], tokenizer, piece_tokens: int):
+    """(file, chat turn token ids) for each piece of each file, in order."""
+    for i, path in enumerate(files):
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        lines, chunk = text.splitlines(keepends=True), ""
+        name = "/".join(Path(path).parts[-2:])
+        lang = LANGS.get(Path(path).suffix, "")
+        chunks = []
+        for line in lines:
+            if len(chunk) + len(line) > piece_tokens * 3 and chunk:  # ~3 characters a token in code
+                chunks.append(chunk)
+                chunk = ""
+            chunk += line[: piece_tokens * 3]
+        if chunk.strip():
+            chunks.append(chunk)
+        for j, body in enumerate(chunks):
+            ask = ASKS[(i + j) % len(ASKS)].format(name=name)
+            ids = tokenizer.encode_chat([{"role": "user", "content": ask}, {"role": "assistant", "content": f"```{lang}\n{body}```"}],
+                                        add_generation_prompt=False)[: piece_tokens + 64]
+            if len(ids) >= 32:
+                yield path, ids
+
+
+class _ShardWriter:
+    def __init__(self, directory: Path, index: int):
+        self.directory, self.index = directory, index
+        self.tokens, self.hidden, self.top_ids, self.top_p, self.docs = [], [], [], [], [0]
+
+    @property
+    def n(self) -> int:
+        return self.docs[-1]
+
+    def add(self, tokens, hidden, top_ids, top_p):
+        self.tokens.append(np.asarray(tokens, dtype=np.int32))
+        self.hidden.append(hidden.to(torch.float16).numpy())
+        self.top_ids.append(top_ids.to(torch.int32).numpy())
+        self.top_p.append(top_p.to(torch.float16).numpy())
+        self.docs.append(self.n + len(tokens))
+
+    def close(self) -> str:
+        name = f"shard-{self.index:05d}"
+        tmp = self.directory / (name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for key, parts in (("tokens", self.tokens), ("hidden", self.hidden), ("top_ids", self.top_ids), ("top_p", self.top_p)):
+            np.save(tmp / f"{key}.npy", np.concatenate(parts))
+        np.save(tmp / "docs.npy", np.asarray(self.docs, dtype=np.int64))
+        os.replace(tmp, self.directory / name)  # a shard appears whole or not at all
+        return name
+
+
+def _manifest_layers(manifest: dict) -> list[int]:
+    if "layers" in manifest:
+        return list(manifest["layers"])
+    return [t - 1 for t in manifest.get("taps", [])]  # EAGLE3's directories: the input of tap t is layer t-1's output
+
+
+def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tuple[int, ...], piece_tokens: int = 480,
+            *, top_k: int = TOP_K, tag: dict | None = None, log=print) -> dict:
+    """Run `target` over the recipe's pieces until `data_dir` holds `n_tokens` rows; resumes.
+
+    `layers`: the hidden states to keep, as ``Model.forward(hidden_layers=)`` numbers them (the
+    output of layer i; ``target.info.n_layers`` is the final-normed state), concatenated in this
+    order. `tag`: what the caller needs the data to be for (JSON values, e.g. EAGLE3's tap ids),
+    kept in the manifest and checked on resume. Returns the manifest."""
+    directory = Path(data_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest_path = directory / "manifest.json"
+    tag = dict(tag or {})
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else \
+        {"shards": [], "tokens": 0, "pieces": 0, "layers": list(layers), "top_k": top_k, "sources": globs, **tag}
+    if _manifest_layers(manifest) != list(layers):
+        raise ValueError(f"{data_dir} holds layers {_manifest_layers(manifest)}, this collection wants {list(layers)}: "
+                         "use another data directory")
+    for key, value in tag.items():
+        if manifest.get(key) != value:
+            raise ValueError(f"{data_dir} was collected with {key}={manifest.get(key)!r}, this one wants {value!r}: "
+                             "use another data directory")
+    if int(manifest.get("top_k", TOP_K)) != top_k:
+        raise ValueError(f"{data_dir} holds the target's top {manifest.get('top_k')}, this collection wants {top_k}")
+    if manifest["tokens"] >= n_tokens:
+        return manifest
+    wanted = tuple(sorted(set(layers)))
+    files = source_files(globs)
+    if not files:
+        raise ValueError(f"no source files match {globs}")
+    shard = _ShardWriter(directory, len(manifest["shards"]))
+    done_pieces, t0, n0 = manifest["pieces"], time.time(), manifest["tokens"]
+    context = target.new_context(4096)
+    for k, (path, ids) in enumerate(pieces(files, target.tokenizer, piece_tokens)):
+        if k < done_pieces:
+            continue
+        out = target.forward(Batch.for_sequence(0, 0, ids, logits="all"), context, hidden_layers=wanted)
+        context.drop(0)
+        probs = torch.softmax(out.logits.float(), dim=-1)
+        top = probs.topk(top_k, dim=-1)
+        shard.add(ids, torch.cat([out.hidden[l].float() for l in layers], dim=-1), top.indices, top.values)
+        done_pieces = k + 1
+        if shard.n >= SHARD_TOKENS:
+            manifest["shards"].append(shard.close())
+            manifest["tokens"] += shard.n
+            manifest["pieces"] = done_pieces
+            manifest_path.write_text(json.dumps(manifest, indent=1))
+            rate = (manifest["tokens"] - n0) / (time.time() - t0)
+            log(f"collect: {manifest['tokens']} tokens in {len(manifest['shards'])} shards ({rate:.0f} tokens/s)")
+            if manifest["tokens"] >= n_tokens:
+                return manifest
+            shard = _ShardWriter(directory, len(manifest["shards"]))
+    if shard.n:
+        manifest["shards"].append(shard.close())
+        manifest["tokens"] += shard.n
+        manifest["pieces"] = done_pieces
+        manifest_path.write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+class Shards:
+    """The finished shards of a data directory, memory-mapped: ``shards[i]`` maps "tokens",
+    "hidden", "top_ids", "top_p" and "docs" to arrays; ``layers`` and ``manifest`` as collected."""
+
+    KEYS = ("tokens", "hidden", "top_ids", "top_p", "docs")
+
+    def __init__(self, data_dir: str):
+        directory = Path(data_dir)
+        manifest = json.loads((directory / "manifest.json").read_text())
+        self.shards = []
+        for name in manifest["shards"]:
+            d = directory / name
+            files = {k: d / f"{k}.npy" for k in self.KEYS}
+            if not files["hidden"].exists():  # written before this module, by EAGLE3's trainer
+                files["hidden"] = d / "taps.npy"
+            self.shards.append({k: np.load(f, mmap_mode="r") for k, f in files.items()})
+        self.manifest = manifest
+        self.layers = _manifest_layers(manifest)
+
+    def documents(self) -> list[tuple[int, int, int]]:
+        """(shard, start, end) of every document."""
+        return [(i, int(s["docs"][j]), int(s["docs"][j + 1])) for i, s in enumerate(self.shards) for j in range(len(s["docs"]) - 1)]
+
+
+def split(docs: list, held_every: int = 20) -> tuple[list, list]:
+    """(training documents, held-out documents): every `held_every`-th one is held out."""
+    train = [d for i, d in enumerate(docs) if i % held_every != held_every - 1]
+    held = [d for i, d in enumerate(docs) if i % held_every == held_every - 1]
+    return train, held
+
+
+def eog_ids(path: str) -> list[int]:
+    """The end-of-generation token ids of the GGUF at `path` (a draft vocabulary keeps them)."""
+    from speculant.gguf import read_gguf_metadata
+
+    meta = read_gguf_metadata(path)
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    ids = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    ids += [i for i, t in enumerate(tokens) if t in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>")]
+    return [int(i) for i in ids if i is not None]
+
+
+def target_tensor(path: str, name: str) -> torch.Tensor | None:
+    """The tensor `name` of the GGUF at `path`, dequantized to float32 (PyTorch order), or None."""
+    from speculant.gguf import dequantize, open_gguf
+
+    t = open_gguf(path).tensors.get(name)
+    return None if t is None else dequantize(t.data, t.qtype, t.shape)
+
+
+def bf16_default() -> bool:
+    """Whether bfloat16 autocast pays off for training here: where the CPU computes bf16 dot
+    products natively (AVX-512 BF16 or AMX)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
