@@ -9,8 +9,9 @@ real text and the verification rows cost what they cost on this model.
 
 Reports, per configuration, alternated `--repeats` times in one sitting (medians):
   1. the cost of one verification step of 1+k rows at a ~1000-token context: per-row states
-     kept, versus a plain forward plus the checkpoint's save and restore, and the replay rows;
-  2. the memory of one checkpoint (the recurrent state) and of the per-row states of k rows;
+     kept (and the cut back to the middle row), versus a plain forward plus the checkpoint's
+     save and restore (whose kept tokens the next step computes again);
+  2. the memory of one checkpoint (the recurrent state);
   3. decode tok/s on each workload's answer: plain, spec per-row, spec with checkpoint/replay.
 
     .venv/bin/python scripts/bench_hybrid.py --arch qwen35 [--preset 0.8b] [--spec suffix,ngram-simple]
@@ -100,8 +101,9 @@ def step_costs(model, ks: list[int], repeats: int) -> list[dict]:
     prompt = [(i * 7919) % 50000 for i in range(1000)]
     for a in range(0, len(prompt), 500):
         model.forward(Batch.for_sequence(0, a, prompt[a:a + 500], logits="none"), ctx)
+    base = ctx.save(0)
     for k in ks:
-        per_row, plain, save, restore = [], [], [], []
+        per_row, rollback, plain, save, restore = [], [], [], [], []
         toks = prompt[:1 + k]
         for rep in range(repeats + 1):  # the first round warms up and is not counted
             for keep in (True, False):
@@ -111,10 +113,13 @@ def step_costs(model, ks: list[int], repeats: int) -> list[dict]:
                 t1 = time.perf_counter()
                 model.forward(Batch.for_sequence(0, 1000, toks, logits="all"), ctx)
                 t2 = time.perf_counter()
-                if keep:
-                    ctx.truncate(0, 1000)
+                if keep:  # cut back to the middle row (a partial acceptance), then to the start
+                    ctx.truncate(0, 1000 + (1 + k) // 2)
+                    t3 = time.perf_counter()
+                    ctx.restore(0, base)
                     if rep:
                         per_row.append(t2 - t1)
+                        rollback.append(t3 - t2)
                 else:
                     ctx.restore(0, handle)
                     t3 = time.perf_counter()
@@ -122,9 +127,10 @@ def step_costs(model, ks: list[int], repeats: int) -> list[dict]:
                         plain.append(t2 - t1)
                         save.append(t1 - t0)
                         restore.append(t3 - t2)
-        rows.append({"k": k, "per_row_ms": 1e3 * statistics.median(per_row), "plain_ms": 1e3 * statistics.median(plain),
+        rows.append({"k": k, "per_row_ms": 1e3 * statistics.median(per_row), "rollback_ms": 1e3 * statistics.median(rollback),
+                     "plain_ms": 1e3 * statistics.median(plain),
                      "save_ms": 1e3 * statistics.median(save), "restore_ms": 1e3 * statistics.median(restore),
-                     "per_row_state_mb": (1 + k) * ctx.state_nbytes() / 2**20})
+                     "kept_mb": ctx.nbytes(0) / 2**20})
     return rows
 
 
@@ -179,10 +185,10 @@ def main() -> int:
     result["checkpoint_mb"] = ctx.state_nbytes() / 2**20
     print(f"{a.arch} {preset} {a.qtype}: one checkpoint (the recurrent state) = {result['checkpoint_mb']:.2f} MiB", flush=True)
     result["steps"] = step_costs(model, [int(k) for k in a.ks.split(",")], a.repeats)
-    print("k  per-row ms  plain ms  save ms  restore ms  per-row states MiB")
+    print("k  per-row ms  rollback ms  plain ms  save ms  restore ms")
     for r in result["steps"]:
-        print(f"{r['k']:<3}{r['per_row_ms']:>10.1f}{r['plain_ms']:>10.1f}{r['save_ms']:>9.2f}{r['restore_ms']:>12.2f}"
-              f"{r['per_row_state_mb']:>20.1f}", flush=True)
+        print(f"{r['k']:<3}{r['per_row_ms']:>10.1f}{r['rollback_ms']:>13.2f}{r['plain_ms']:>10.1f}{r['save_ms']:>9.2f}"
+              f"{r['restore_ms']:>12.2f}", flush=True)
     configs = [("plain", None, False), ("per-row", spec, False), ("replay", spec, True)]
     result["workloads"] = {}
     for name, stream in streams.items():

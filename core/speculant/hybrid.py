@@ -6,7 +6,10 @@ cannot: once a token went in, the state before it is gone. Two ways back exist:
 
 - per-row states (`keep_rows`): a forward stores the state after each of its rows, so the
   sequence can be cut back to any point inside its last forward (a verification step's partial
-  acceptance) with no re-decode. One use: the next forward replaces them.
+  acceptance) with no re-decode. One use: the next forward replaces them. A layer whose state is
+  large may hand over a function instead (`RowStates`) that recomputes the state after row j
+  from the state before the forward and the inputs of its recurrence alone (no projections):
+  cheaper than copying a large state per row when few rows are cut.
 - checkpoints: `save` copies the whole state, `restore` goes back to it (and the engine replays
   the tokens after it). Prompt-cache resume points and the fallback for rollbacks that reach
   further back than the last forward.
@@ -16,10 +19,16 @@ and ends with `commit`; the KV side goes through `kv` as for any transformer.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import torch
 
 from speculant.context import KVCache
+
+
+# The state after row j (0-based) of a forward, computed on demand: per_row for `write`.
+RowStates = Callable[[int], list[torch.Tensor]]
 
 
 @attrs.define
@@ -30,8 +39,8 @@ class _SeqState:
     # after each of its rows (stacked [rows, ...]), for `truncate` inside it.
     rows_start: int = -1
     before: dict[int, list[torch.Tensor]] = attrs.field(factory=dict)
-    rows: dict[int, list[torch.Tensor]] = attrs.field(factory=dict)
-    pending: dict[int, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = attrs.field(factory=dict)
+    rows: dict[int, "list[torch.Tensor] | RowStates"] = attrs.field(factory=dict)
+    pending: dict[int, tuple[list[torch.Tensor], "list[torch.Tensor] | RowStates | None"]] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)
@@ -93,7 +102,7 @@ class HybridCache:
         if j == 0:
             s.states = s.before
         else:
-            s.states = {layer: [t[j - 1].clone() for t in ts] for layer, ts in s.rows.items()}
+            s.states = {layer: ts(j - 1) if callable(ts) else [t[j - 1].clone() for t in ts] for layer, ts in s.rows.items()}
         s.length = n
         s.rows_start, s.before, s.rows = -1, {}, {}  # one use: the state now is not the last forward's
         self.kv.truncate(seq_id, n)
@@ -121,7 +130,7 @@ class HybridCache:
         if s is None:
             return 0
         rec = sum(t.nbytes for ts in s.states.values() for t in ts)
-        rec += sum(t.nbytes for ts in s.rows.values() for t in ts)
+        rec += sum(t.nbytes for ts in s.rows.values() if not callable(ts) for t in ts)
         return self.kv.nbytes(seq_id) + rec
 
     def state_nbytes(self) -> int:
@@ -138,10 +147,11 @@ class HybridCache:
         """Whether this forward should hand `write` the per-row states of the sequence."""
         return self.keep_rows and (self.rows_for is None or seq_id in self.rows_for)
 
-    def write(self, seq_id: int, layer: int, final: list[torch.Tensor], per_row: list[torch.Tensor] | None = None) -> None:
-        """The layer's state after this forward's rows of the sequence, and (where `keep_rows`)
-        the states after each row, stacked [rows, ...] (per_row[i][-1] equals final[i]), where
-        `wants_rows(seq_id)`."""
+    def write(self, seq_id: int, layer: int, final: list[torch.Tensor],
+              per_row: "list[torch.Tensor] | RowStates | None" = None) -> None:
+        """The layer's state after this forward's rows of the sequence, and (where
+        `wants_rows(seq_id)`) the states after each row: stacked [rows, ...] (per_row[i][-1]
+        equals final[i]), or a RowStates function giving row j's state."""
         self._seq(seq_id).pending[layer] = (final, per_row)
 
     def commit(self, seq_id: int, start: int, end: int) -> None:

@@ -480,17 +480,35 @@ class Qwen35Model(DecoderModel):
             if hv != hk:  # value head j reads key head j % hk (ggml's tiled broadcast)
                 q, k = q.repeat(1, hv // hk, 1), k.repeat(1, hv // hk, 1)
             keep = cache.keep_rows if wants_rows is None else wants_rows(seq_id)
-            s = state.clone()  # [hv, dv, dk]: row j is value channel j
-            per_row = s.new_empty(n, hv, dk, dk) if keep else None
-            if native_scan is not None:  # the backend's kernel: the same arithmetic, one call
-                out[a:b] = native_scan(s, q, k, v, decay[a:b], beta[a:b], scale, per_row)
-            else:
-                delta_net_scan(s, q, k, v, decay[a:b], beta[a:b], scale, out[a:b], per_row)
-            conv_rows = x.unfold(1, c.d_conv - 1, 1)[:, 1:].permute(1, 0, 2).contiguous() if keep else None
-            cache.write(seq_id, layer, [x[:, n:].contiguous(), s],
-                        [conv_rows, per_row] if keep else None)
+            s = state.clone()  # [hv, dv, dk]: row j is value channel j; `state` stays the state before
+            scan = self._scan(native_scan)
+            out[a:b] = scan(s, q, k, v, decay[a:b], beta[a:b], scale)
+            if keep:
+                # Row j's state, when a verification keeps rows up to j: the conv window is a copy
+                # of [state | inputs]; the DeltaNet state (hv x dv x dk floats, 19 MiB a row over
+                # a 0.8B's layers) is not copied per row but recomputed from the state before
+                # and this forward's q, k, v, decay, beta: the recurrence alone, no projection.
+                conv_rows = x.unfold(1, c.d_conv - 1, 1)[:, 1:].permute(1, 0, 2).contiguous()
+
+                def row_state(j: int, state=state, q=q, k=k, v=v, d=decay[a:b], bt=beta[a:b], conv_rows=conv_rows, scan=scan):
+                    s_j = state.clone()
+                    scan(s_j, q[: j + 1], k[: j + 1], v[: j + 1], d[: j + 1], bt[: j + 1], scale)
+                    return [conv_rows[j].clone(), s_j]
+            cache.write(seq_id, layer, [x[:, n:].contiguous(), s], row_state if keep else None)
         o = norm_fn(self.backend)(out, mx.norm, c.eps) * self._silu(z.view(rows, hv, dk))
         return mx.wout(o.view(rows, c.value_dim))
+
+    @staticmethod
+    def _scan(native_scan):
+        """scan(s, q, k, v, decay, beta, scale) -> out: the backend's gated_delta_net, else torch's."""
+        if native_scan is not None:
+            return native_scan
+
+        def scan(s, q, k, v, decay, beta, scale):
+            out = q.new_empty(q.shape[0], s.shape[0], s.shape[1])
+            delta_net_scan(s, q, k, v, decay, beta, scale, out, None)
+            return out
+        return scan
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
