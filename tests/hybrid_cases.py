@@ -6,11 +6,10 @@ A case: {"name", "arch", "writer": write_tiny_model kwargs, "prompts": token-id 
 """
 from __future__ import annotations
 
-# LFM2: conv and attention blocks in several orders, three weight types. Prompt lengths are
-# multiples of 4 except in the Q8_0 cases: llama-server feeds a hybrid model's prompt of n > 4
-# tokens as two batches, n-4 rows and then 4 (a context checkpoint 4 tokens before its end), and
-# Q4_K's prompt arithmetic (whole groups of four rows) then covers the same rows as our one batch
-# only where n % 4 == 0. Q8_0 and F32 compute prompt rows as decode rows, so any length does.
+# LFM2: conv and attention blocks in several orders, three weight types. llama-server feeds a
+# hybrid model's prompt of n > 4 tokens as two batches, n-4 rows and then 4 (a context checkpoint
+# 4 tokens before its end); K-quants' prompt arithmetic depends on the batch, which our models
+# follow (the *-odd-prompts cases below). Q8_0 and F32 compute prompt rows as decode rows.
 _P = [
     [5, 77, 300, 12, 9, 44, 123, 8],
     [100, 101, 102, 103],
@@ -36,8 +35,7 @@ LFM2_CASES: list[dict] = [
 # Qwen3.5: DeltaNet and attention layers in several orders (full_attention_interval and the
 # recurrent_layers array), value heads tiling key heads, an IMROPE section left unrotated, a NextN
 # block (loaded, not run), tied embeddings, head sizes below and above ggml's 64-value dot step.
-# K-quant prompts have 1-4 tokens or a multiple of 4 (the split above); with Q6_K in the mix only
-# 1-4 (llama.cpp's Q6_K prompt kernel needs 8 rows in one batch, which the split never gives).
+# (Prompt lengths of any kind: see the *-odd-prompts cases.)
 _Q = [
     [5, 77, 300, 12, 9, 44, 123, 8],
     [100, 101, 102, 103],
@@ -66,5 +64,21 @@ QWEN35_CASES: list[dict] = [
                 "qtype_overrides": {"output.weight": "Q6_K", "ffn_down": "Q6_K", "attn_v": "Q6_K",
                                     "ssm_alpha": "Q8_0", "ssm_beta": "Q8_0"}}},
 ]
+
+# Prompts of any length under 64 with K-quants: the models mark their prompt rows as llama-server's
+# two batches (speculant_transformer.layers.recurrent_prompt_rows), so Q4_K's and Q6_K's prompt
+# arithmetic covers the rows llama.cpp's does.
+_ODD = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4], [6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4],
+        [11 * i % 251 for i in range(1, 31)], [17 * i % 253 for i in range(1, 62)]]
+LFM2_CASES.append(
+    {"name": "lfm2-q4_k-odd-prompts", "arch": "lfm2", "n_predict": 16, "prompts": _ODD,
+     "writer": {"qtype": "Q4_K", "seed": 16, "n_layers": 4, "attn_layers": [1, 3], "n_embd": 256, "n_ff": 512,
+                "n_head": 4, "n_kv_head": 2}})
+QWEN35_CASES.append(
+    {"name": "qwen35-q4_k-m-mix-odd-prompts", "arch": "qwen35", "n_predict": 16, "prompts": _ODD,
+     "writer": {"qtype": "Q4_K", "seed": 26, "n_layers": 4, "full_attention_interval": 2, "n_embd": 256,
+                "n_ff": 512, "head_dim": 64, "ssm_d_state": 64, "ssm_n_group": 2, "ssm_dt_rank": 4,
+                "qtype_overrides": {"output.weight": "Q6_K", "ffn_down": "Q6_K", "attn_v": "Q6_K",
+                                    "ssm_alpha": "Q8_0", "ssm_beta": "Q8_0"}}})
 
 CASES = LFM2_CASES + QWEN35_CASES

@@ -33,6 +33,37 @@ def batch_scope(backend, batch: Batch, prompt: bool = True):
     return scope(batch, prompt) if scope is not None else contextlib.nullcontext()
 
 
+# llama-server decodes a recurrent model's prompt of more than RECURRENT_TAIL tokens as two
+# batches, the last RECURRENT_TAIL rows apart (it saves a checkpoint before them, to resume a
+# later prompt there). A short prompt's rows take the arithmetic of the batch they fall in, so a
+# hybrid model marks its rows by that split: rows before the tail as a prompt of n - TAIL rows,
+# the tail's as a prompt of TAIL rows of its own. Prompts of SHORT_PROMPT tokens or more are left
+# as they are (their rows take the backend's fast kernels either way).
+RECURRENT_TAIL, SHORT_PROMPT = 4, 64
+
+
+def recurrent_prompt_rows(positions, prompt_lens) -> tuple[list[int], list[int]]:
+    """(positions, prompt lengths) as llama-server's split batches of a recurrent model see them."""
+    pos, lens = [], []
+    for p, n in zip(positions, prompt_lens):
+        if RECURRENT_TAIL < n < SHORT_PROMPT and p < n:
+            head = n - RECURRENT_TAIL
+            pos.append(p if p < head else p - head)
+            lens.append(head if p < head else RECURRENT_TAIL)
+        else:
+            pos.append(p)
+            lens.append(n)
+    return pos, lens
+
+
+def recurrent_batch_scope(backend, batch: Batch):
+    """batch_scope for a recurrent model: its prompt rows marked as llama-server's split batches."""
+    if not batch.prompt_lens:
+        return batch_scope(backend, batch)
+    pos, lens = recurrent_prompt_rows(batch.positions, batch.prompt_lens)
+    return batch_scope(backend, Batch(batch.seq_ids, tuple(pos), batch.tokens, batch.want_logits, tuple(lens)))
+
+
 def ffn_scope(backend, batch: Batch, layer: int, n_layers: int):
     """Around layer `layer`'s FFN, inside the forward's batch_scope: the last layer's FFN computes
     its rows as decode rows (see batch_scope); the others keep the forward's scope as it is."""
@@ -110,7 +141,11 @@ class DecoderModel:
     def row_classes(self, positions, prompt_lens):
         """How the backend computes each row (None: every row alike), see Model.row_classes."""
         classes = backend_kernel(self.backend, "row_classes")
-        return None if classes is None else classes(positions, prompt_lens)
+        if classes is None:
+            return None
+        if self.state_kind == "recurrent":
+            positions, prompt_lens = recurrent_prompt_rows(positions, prompt_lens)
+        return classes(positions, prompt_lens)
 
     def new_context(self, max_tokens: int) -> KVCache:
         c = self.config

@@ -25,7 +25,7 @@ import torch
 from speculant import Batch, ForwardOutput, HybridCache, KVCache, ModelFileError, backend_kernel, kv_layers
 from speculant.gguf import Tokenizer
 
-from speculant_transformer.layers import DecoderModel, attend, batch_scope, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
+from speculant_transformer.layers import DecoderModel, attend, recurrent_batch_scope, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
 from speculant_transformer.llama import silu_times
 from speculant_transformer.loading import WeightLoader, hparam_float, hparam_int, model_info, require, vocab_size
 
@@ -205,7 +205,7 @@ class Lfm2Model(DecoderModel):
         swiglu = backend_kernel(self.backend, "swiglu", silu_times)
 
         x = self.embed(torch.tensor(batch.tokens))  # [rows, n_embd]
-        with batch_scope(self.backend, batch):
+        with recurrent_batch_scope(self.backend, batch):
             for i, blk in enumerate(self.blocks):
                 h = norm(x, blk.attn_norm, c.eps)
                 if blk.conv is not None:

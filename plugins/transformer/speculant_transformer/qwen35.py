@@ -43,7 +43,7 @@ import torch
 from speculant import Batch, ForwardOutput, HybridCache, KVCache, ModelFileError, backend_kernel, kv_layers
 from speculant.gguf import Tokenizer
 
-from speculant_transformer.layers import DecoderModel, attend, batch_scope, norm_fn, reserve, rope_fn, rotate_fn
+from speculant_transformer.layers import DecoderModel, attend, recurrent_batch_scope, norm_fn, reserve, rope_fn, rotate_fn
 from speculant_transformer.llama import silu_times
 from speculant_transformer.loading import WeightLoader, attention_shape, hparam_float, hparam_int, model_info, vocab_size
 
@@ -531,7 +531,7 @@ class Qwen35Model(DecoderModel):
         x = self.embed(torch.tensor(batch.tokens))  # [rows, n_embd]
         # llama.cpp computes every layer, the last one's FFN included, over all rows; only the
         # output head takes the logit rows alone (DecoderModel.head).
-        with batch_scope(self.backend, batch):
+        with recurrent_batch_scope(self.backend, batch):
             for i, blk in enumerate(self.blocks):
                 h = norm(x, blk.attn_norm, c.eps)
                 if isinstance(blk.mixer, DeltaNetMixer):
