@@ -27,7 +27,7 @@ from speculant_transformer.gemma3 import Gemma3Model
 from speculant_transformer.llama import LlamaModel
 
 ARCHS = ["gemma3", "lfm2", "llama", "qwen2", "qwen3", "qwen35"]  # the transformer plugin's
-ALL_ARCHS = sorted(ARCHS + ["eagle3"])  # with the eagle3 plugin's head layout
+ALL_ARCHS = sorted(ARCHS + ["eagle3", "dflash"])  # with the eagle3 and dflash plugins' drafter layouts
 
 
 @pytest.fixture(autouse=True)
@@ -179,14 +179,14 @@ def test_trainers_from_plugins_join_one_train_command(monkeypatch, capsys):
 def test_disable_plugins_removes_the_architectures(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECULANT_DISABLE_PLUGINS", "transformer")
     reg = load_registry()
-    assert reg.names("architecture") == ["eagle3"] and reg.names("backend") == ["cpu"]
+    assert reg.names("architecture") == ["dflash", "eagle3"] and reg.names("backend") == ["cpu"]
     assert "transformer" not in [p.name for p in reg.plugins] and "cpu" in [p.name for p in reg.plugins]
     path = write_tiny_model(tmp_path / "m.gguf", "llama")
-    with pytest.raises(ModelFileError, match=r"architecture .llama. is not supported \(supported: eagle3\)"):
+    with pytest.raises(ModelFileError, match=r"architecture .llama. is not supported \(supported: dflash, eagle3\)"):
         load_model(path, registry=reg, progress=False)
     monkeypatch.setenv("SPECULANT_DISABLE_PLUGINS", " transformer , cpu ")  # a comma list, spaces ignored
     reg = load_registry()
-    assert reg.names("architecture") == ["eagle3"] and reg.names("backend") == []
+    assert reg.names("architecture") == ["dflash", "eagle3"] and reg.names("backend") == []
 
 
 def test_plugins_allow_list(monkeypatch):

@@ -1,0 +1,1 @@
+"""`speculant train dflash`: the drafter's training module, loop and command."""
