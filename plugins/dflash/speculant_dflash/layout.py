@@ -85,14 +85,13 @@ class DFlashConfig:
 def default_target_layers(n_layers: int, n_taps: int = 3) -> tuple[int, ...]:
     """DFlash's choice (z-lab `build_target_layer_ids`): n_taps HF layers spread evenly over
     [1, N-3], one tap at N//2 alone; returned as llama.cpp's ids (HF + 1). Shallow test models get
-    distinct layers that exist."""
+    distinct layers spread over HF [0, N-2]: llama.cpp exports the inputs of layers 0..N-1 only
+    (most of its graphs have no input of a layer N)."""
     if n_taps == 1:
         hf = [n_layers // 2]
-    elif n_layers >= 6:
-        start, end = 1, n_layers - 3
-        hf = [int(round(start + i * (end - start) / (n_taps - 1))) for i in range(n_taps)]
     else:
-        hf = sorted({min(n_layers - 1, int(round(i * (n_layers - 1) / max(1, n_taps - 1)))) for i in range(n_taps)})
+        start, end = (1, n_layers - 3) if n_layers >= 6 else (0, max(0, n_layers - 2))
+        hf = [int(round(start + i * (end - start) / (n_taps - 1))) for i in range(n_taps)]
     return tuple(sorted(set(h + 1 for h in hf)))
 
 
