@@ -7,6 +7,10 @@ ISAs' libraries are loaded side by side and their outputs compared bit for bit o
 AVX-VNNI)."""
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import structlog
@@ -53,6 +57,20 @@ def test_each_library_says_which_isa_it_was_built_for():
         built = native.isa_of(lib)
         assert built == (isa if isa != "avx2" or "avx_vnni" in flags else "avx2-novnni")
         assert bool(lib.spk_amx_built()) <= (isa == "avx512")  # no AMX kernel outside AVX-512 builds
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump")
+def test_avx2_builds_hold_no_avx512_instruction():
+    """An AVX2 build must run on a CPU without AVX-512: no zmm, no mask register, no EVEX
+    encoding (GCC picks EVEX forms by itself when -march allows them; -march=haswell does not)."""
+    avx2 = {isa: lib for isa, lib in LIBS.items() if isa != "avx512"}
+    if not avx2:
+        pytest.skip("no AVX2 build here")
+    for isa, lib in avx2.items():
+        code = subprocess.run(["objdump", "-d", lib._name], capture_output=True, text=True, check=True).stdout
+        bad = re.findall(r"zmm|%k[0-7]|[xy]mm(?:1[6-9]|2\d|3[01])\b|\{evex\}", code)
+        assert not bad, f"{isa}: {sorted(set(bad))}"
+        assert ("vpdpbusd" in code) == (native.isa_of(lib) == "avx2")  # AVX-VNNI exactly where asked for
 
 
 def same_on_every_isa(call) -> None:
