@@ -35,3 +35,12 @@ def speculant_register_speculators(register):
 @hookimpl
 def speculant_register_architectures(register):
     register(ARCH, lambda gguf, backend, progress: DFlashHead.load(gguf, backend, progress))
+
+
+@hookimpl
+def speculant_add_trainers(subparsers, register):
+    """`speculant train dflash ...`."""
+    from speculant_dflash.train.command import add_parser, run
+
+    add_parser(subparsers)
+    register("dflash", run)

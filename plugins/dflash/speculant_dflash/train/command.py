@@ -1,0 +1,109 @@
+"""`speculant train dflash -m TARGET.gguf -o HEAD.gguf --data DIR`: collect, train, export.
+
+Each phase resumes: the data directory keeps the collected shards (speculant.training's
+manifest.json) and the training checkpoint (dflash-ckpt.pt), so rerunning the same command after
+an interruption continues where it stopped, and a finished run only exports again. A directory
+collected by `speculant train eagle3` for the same taps serves as it is (`--target-layers`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from speculant.options import int_in
+
+DEFAULT_BLOCK = 8
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--target-layers takes comma-separated layer ids, not {text!r}") from None
+    if not layers or min(layers) < 1:
+        raise ValueError("--target-layers: ids from 1 (the input of that target layer)")
+    return layers
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("dflash", help="train a DFlash block-diffusion drafter for a target (llama.cpp's dflash GGUF layout)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", required=True, help="the target .gguf")
+    p.add_argument("-o", "--output", required=True, help="the drafter .gguf to write")
+    p.add_argument("--data", required=True, help="directory for the collected data and the checkpoint (resumable)")
+    p.add_argument("--source", action="append", default=None,
+                   help="glob of source files to read (repeatable; default: Python's standard library and the "
+                        "installed packages' .py and .h files)")
+    p.add_argument("--tokens", type=int_in(64), default=200_000, help="rows of target states to collect (default 200000)")
+    p.add_argument("--piece-tokens", type=int_in(32, 4000), default=480, help="tokens per training document (default 480)")
+    p.add_argument("--block-size", type=int_in(2, 32), default=DEFAULT_BLOCK,
+                   help=f"B: the block [last token, MASK x (B-1)], so drafts of up to B-1 tokens (default {DEFAULT_BLOCK}: "
+                        "on a 2-core CPU verifying more rows a step costs more than they bring)")
+    p.add_argument("--layers", type=int_in(1, 16), default=1, help="draft layers (default 1)")
+    p.add_argument("--taps", type=int_in(1, 16), default=3, help="target layers to tap, spread as DFlash does (default 3)")
+    p.add_argument("--target-layers", type=_layers, default=None,
+                   help="the taps exactly, llama.cpp's ids (the input of these target layers), e.g. 2,14,25")
+    p.add_argument("--steps", type=int_in(1), default=2000, help="optimizer steps in all (default 2000)")
+    p.add_argument("--batch", type=int_in(1), default=4, help="windows per step (default 4)")
+    p.add_argument("--window", type=int_in(8), default=256, help="context positions per window (default 256)")
+    p.add_argument("--blocks", type=int_in(1), default=16, help="blocks anchored in each window (default 16)")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
+    p.add_argument("--draft-vocab", type=int_in(16), default=16384, help="draft vocabulary size (default 16384)")
+    p.add_argument("--ffn", type=int_in(16), default=4096, help="the draft layers' FFN width (default 4096)")
+    p.add_argument("--mask-token", type=int, default=None,
+                   help="the MASK token id (default: the target's mask token, else an unused FIM padding token, else the last id)")
+    p.add_argument("--qtype", default="Q8_0", choices=("F32", "F16", "Q8_0", "Q5_0", "Q4_0"), help="matrix type in the GGUF (default Q8_0)")
+    p.add_argument("--save-every", type=int_in(1), default=100, help="checkpoint every N steps (default 100)")
+    p.add_argument("--time-limit", type=float, default=None, help="stop (with a checkpoint) after this many seconds")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="training matmuls: bf16 autocast or fp32 (default auto: bf16 where the CPU has AVX-512 BF16 or AMX)")
+    p.add_argument("-t", "--threads", type=int_in(1), default=None, help="threads")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    import torch
+
+    from speculant import SpeculantError, load_model
+    from speculant.training import bf16_default, collect, default_sources, eog_ids
+
+    from speculant_dflash.layout import default_target_layers, write_head
+    from speculant_dflash.testing import head_config_for, target_embedding
+    from speculant_dflash.train.loop import train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log = lambda msg: print(f"speculant train dflash: {msg}", file=sys.stderr, flush=True)
+    t_start = time.time()
+    target = load_model(args.model, progress=sys.stderr.isatty(), threads=args.threads)
+    n_layers = target.info.n_layers
+    taps = args.target_layers or default_target_layers(n_layers, args.taps)
+    if max(taps) > n_layers:
+        raise SpeculantError(f"--target-layers {','.join(map(str, taps))}: the target has layers 1..{n_layers} to tap")
+    cfg = head_config_for(args.model, n_draft_vocab=min(args.draft_vocab, target.info.n_vocab), n_ff=args.ffn, n_layers=args.layers,
+                          block_size=args.block_size, target_layers=taps, mask_token_id=args.mask_token)
+    sources = args.source or default_sources()
+    # The input of tap layer t is the output of layer t - 1 (the layers the target hands out);
+    # the tag is EAGLE3's, so a directory it collected for the same taps is the same data.
+    manifest = collect(target, args.data, args.tokens, sources, tuple(t - 1 for t in cfg.target_layers), args.piece_tokens,
+                       tag={"taps": list(cfg.target_layers)}, log=log)
+    log(f"data: {manifest['tokens']} tokens, {len(manifest['shards'])} shards in {args.data}")
+    del target
+    always = sorted(set(eog_ids(args.model)))
+    remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
+    net, d2t, acc, tau, done = train(
+        cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch, window=args.window,
+        blocks=args.blocks, lr=args.lr, save_every=args.save_every, seed=args.seed, always=always, log=log,
+        progress=sys.stderr.isatty(), time_limit=remaining,
+        bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
+    summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
+               "blocks": args.blocks, "block_size": cfg.block_size, "layers": cfg.n_layers, "ffn": cfg.n_ff,
+               "held_out_accuracy": [round(a, 4) for a in acc], "held_out_accepted_length": round(tau, 3),
+               "sources": sources, "draft_vocab": len(d2t)}
+    write_head(args.output, cfg, net.gguf_weights(), target_path=args.model, d2t=d2t, qtype=args.qtype,
+               extra={"speculant.training": json.dumps(summary)})
+    log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per block row "
+        f"{summary['held_out_accuracy']}, mean accepted length {tau:.2f}"
+        + ("" if done >= args.steps else " (rerun the same command to continue)"))
+    return 0
