@@ -15,6 +15,7 @@ PACKAGES = {  # import name -> its folder
     "speculant_ngram": "plugins/ngram/speculant_ngram",
     "speculant_draft": "plugins/draft/speculant_draft",
     "speculant_eagle3": "plugins/eagle3/speculant_eagle3",
+    "speculant_mtp": "plugins/mtp/speculant_mtp",
     "speculant_suffix": "contrib/speculant-suffix/speculant_suffix",
 }
 

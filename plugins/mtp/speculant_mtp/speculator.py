@@ -1,0 +1,275 @@
+"""--spec-type mtp (llama.cpp: draft-mtp): drafting with the target's NextN / MTP block.
+
+Where the block comes from: the `-md` file when it holds one (a sidecar, `mtp-....gguf`), else the
+target's own GGUF (`{arch}.nextn_predict_layers` > 0), as llama.cpp creates its MTP context on the
+target's weights when no draft file is given.
+
+The speculator asks the engine for the target's final hidden state (`hidden_layers` =
+(n_layers,): the state after output_norm, llama.cpp's h_nextn) and keeps it per sequence for
+every position (float16), handed over by `prefill` (prompt chunks) and `accept` (each step), so a
+history cut anywhere (`truncate`, the prompt cache) can be resumed.
+
+The head's KV cache (one context for all sequences, under the target's sequence ids) holds at
+position q the pair (x_q, h_{q-1}), position 0 pairing x_0 with a zero state as llama.cpp's first
+batch does. It is written lazily: at the next proposal the rows not yet written (the accepted
+tokens and the correction, or a prompt) go in as the first draft step, whose last row (the last
+token, at position n-1, with h_{n-2}) predicts the first draft token; each further step feeds
+(draft token, the previous row's output state) at the next position, as llama.cpp's draft-mtp
+does. Rows written from drafts are cut away before the next proposal. Every step is one batched
+head forward for all sequences still drafting.
+
+At temperature 0 the draft is the head's argmax (p_min, n_min and n_max as llama.cpp's); at
+temperature T > 0 draft tokens are sampled from the head's softmax at T and returned with those
+probabilities, so the engine verifies them by rejection sampling.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import attrs
+import torch
+
+from speculant import Batch, Draft, DraftLimits, DraftRequest, ModelFileError, SequenceView, SpeculantError, hookimpl
+from speculant.speculator import SpeculatorConfig
+
+from speculant_mtp.head import MtpHead
+from speculant_mtp.layout import has_nextn
+
+# Rows of the head written in one forward when it catches up on a prompt (bounded temporaries).
+CATCH_UP_ROWS = 64
+
+_heads: dict[tuple, MtpHead] = {}
+_heads_lock = threading.Lock()
+
+
+def load_head(path: str, target) -> MtpHead:
+    """The MTP block in `path` for `target`, loaded once per process and target."""
+    from speculant.gguf import open_gguf
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SpeculantError(f"{path}: cannot read the MTP head: {e.strerror or e}") from None
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, id(target))
+    with _heads_lock:
+        head = _heads.get(key)
+        if head is None or head.backend is not target.backend:
+            try:
+                head = MtpHead.load(open_gguf(path), target)
+            except OSError as e:
+                raise SpeculantError(f"{path}: cannot read the MTP head: {e.strerror or e}") from None
+            _heads[key] = head
+    return head
+
+
+def head_source(draft_model: str | None, target) -> str:
+    """The file whose MTP block drafts: the -md file if it has one, else the target's."""
+    from speculant.gguf import open_gguf
+
+    if draft_model:
+        try:
+            if has_nextn(open_gguf(draft_model)):
+                return draft_model
+        except OSError as e:
+            raise SpeculantError(f"{draft_model}: cannot read the MTP head: {e.strerror or e}") from None
+    path = getattr(getattr(target, "info", None), "path", None)
+    if path and os.path.exists(path) and has_nextn(open_gguf(path)):
+        return path
+    if draft_model:
+        raise SpeculantError(f"{draft_model} holds no MTP block ('nextn_predict_layers' and blk.N.nextn.* tensors), "
+                             f"nor does the target {path}: pass an MTP sidecar (mtp-....gguf) or train one with "
+                             "`speculant train mtp`")
+    raise SpeculantError(f"the target {path} has no MTP block: pass an MTP sidecar with -md mtp-....gguf "
+                         "(`speculant train mtp` trains one)")
+
+
+@attrs.define
+class _Seq:
+    h: torch.Tensor  # [capacity, n_embd] float16: the target's state at every position computed so far
+    n_h: int = 0  # h holds positions [0, n_h)
+    written: int = 0  # the head's KV holds the real rows of positions [0, written)
+
+    def put(self, start: int, rows: torch.Tensor) -> bool:
+        """Store h of positions start.. (later positions are forgotten); False if there is a gap."""
+        if start > self.n_h:
+            return False
+        end = start + len(rows)
+        if end > len(self.h):
+            grown = self.h.new_zeros(max(end, 2 * len(self.h)), self.h.shape[1])
+            grown[: self.n_h] = self.h[: self.n_h]
+            self.h = grown
+        self.h[start:end] = rows.to(self.h.dtype)
+        self.n_h = end
+        # row q pairs x_q with h_{q-1}: rows past `start` were written with states now replaced
+        self.written = min(self.written, start + 1)
+        return True
+
+    def states(self, start: int, end: int) -> torch.Tensor:
+        """h_{q-1} for the rows q in [start, end), float32: h_{-1} (row 0's) is zero."""
+        out = self.h[max(0, start - 1) : end - 1].float()
+        if start == 0:
+            out = torch.cat([out.new_zeros(1, self.h.shape[1]), out])
+        return out
+
+
+@attrs.define
+class _Drafting:
+    index: int
+    seq_id: int
+    n_max: int
+    n_min: int
+    p_min: float
+    temperature: float
+    generator: torch.Generator | None
+    tokens: list[int] = attrs.field(factory=list)
+    probs: list[torch.Tensor] = attrs.field(factory=list)
+
+
+class Mtp:
+    spec_type = "mtp"
+
+    @staticmethod
+    def contract_draft_model(target_path: str, directory: str) -> str:
+        """The contract suite's sidecar: a random MTP block for its tiny target."""
+        from speculant_mtp.testing import write_random_sidecar
+
+        return write_random_sidecar(os.path.join(directory, "mtp-head.gguf"), target_path)[0]
+
+    def __init__(self, config: SpeculatorConfig):
+        target = config.target
+        if target is None:
+            raise SpeculantError(f"spec type {config.spec_type} needs the target model")
+        path = head_source(config.draft_model, target)
+        try:
+            self.head = load_head(path, target)
+        except ModelFileError as e:
+            raise SpeculantError(str(e)) from None
+        self.hidden_layers = (target.info.n_layers,)
+        max_tokens = int(config.option("ctx_size", 0) or 0) or (1 << 20)
+        self.context = self.head.new_context(max_tokens)
+        self.n_vocab = target.info.n_vocab
+        self.seed = int(config.option("seed", 0) or 0)
+        self.seqs: dict[int, _Seq] = {}
+
+    # --- what the target computed ------------------------------------------------------------
+    def _state(self, seq_id: int) -> _Seq:
+        state = self.seqs.get(seq_id)
+        if state is None:
+            state = self.seqs[seq_id] = _Seq(torch.zeros(256, self.head.config.n_embd, dtype=torch.float16))
+        return state
+
+    def _store(self, seq_id: int, start: int, hidden: dict, n_valid: int) -> None:
+        h = hidden.get(self.hidden_layers[0])
+        if h is None or n_valid <= 0:
+            return
+        state = self._state(seq_id)
+        if not state.put(start, h[:n_valid]):
+            state.n_h = min(state.n_h, start)  # a gap: drafting waits until rows line up again
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    @hookimpl
+    def begin(self, seq: SequenceView) -> None:
+        self.end(seq.seq_id)
+        self._state(seq.seq_id)
+
+    @hookimpl
+    def prefill(self, seq: SequenceView, start: int, hidden: dict) -> None:
+        rows = len(next(iter(hidden.values()))) if hidden else 0
+        self._store(seq.seq_id, start, hidden, rows)
+
+    @hookimpl
+    def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int) -> None:
+        rows = len(next(iter(hidden.values()))) if hidden else 0
+        n_pending = rows - (len(draft) if draft is not None else 0)
+        # Rows of rejected draft tokens computed states for a history that did not happen.
+        n_valid = min(n_pending + n_accepted, len(seq.tokens) - hidden_start)
+        self._store(seq.seq_id, hidden_start, hidden, n_valid)
+
+    @hookimpl
+    def truncate(self, seq: SequenceView, n: int) -> None:
+        state = self.seqs.get(seq.seq_id)
+        if state is not None:
+            state.n_h = min(state.n_h, n)
+            state.written = min(state.written, n)  # rows q < n pair x_q and h_{q-1}, both kept
+
+    @hookimpl
+    def end(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+        self.context.drop(seq_id)
+
+    # --- drafting ------------------------------------------------------------------------------
+    @hookimpl
+    def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
+        return self.propose_batch([DraftRequest(seq, limits)])[0]
+
+    @hookimpl
+    def propose_batch(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        out: list[Draft | None] = [None] * len(requests)
+        active: list[_Drafting] = []
+        parts: list[tuple[Batch, torch.Tensor]] = []
+        for i, r in enumerate(requests):
+            seq, state = r.seq, self.seqs.get(r.seq.seq_id)
+            n = len(seq.tokens)
+            # The first draft step is row n-1: (last token, h_{n-2}).
+            if r.limits.n_max <= 0 or state is None or state.n_h < n - 1 or n < 1:
+                continue
+            # Cut the draft rows of the last proposal; row n-1 is computed again if need be, as
+            # its logits give the first draft token.
+            self.context.truncate(seq.seq_id, min(state.written, n - 1))
+            start = self.context.length(seq.seq_id)
+            while n - start > CATCH_UP_ROWS:  # a prompt's rows, written ahead in pieces
+                end = start + CATCH_UP_ROWS
+                self.head.decode(Batch.for_sequence(seq.seq_id, start, seq.tokens[start:end], logits="none"), self.context,
+                                 state.states(start, end))
+                start = end
+            parts.append((Batch.for_sequence(seq.seq_id, start, seq.tokens[start:n], logits="last"), state.states(start, n)))
+            state.written = n
+            temperature = float(getattr(seq, "temperature", 0.0) or 0.0)
+            gen = None
+            if temperature > 0:
+                gen = torch.Generator().manual_seed(hash((self.seed, seq.seq_id, n, seq.tokens[-1])) & (2**63 - 1))
+            active.append(_Drafting(i, seq.seq_id, r.limits.n_max, r.limits.n_min, r.limits.p_min, temperature, gen))
+        try:
+            while active:
+                batch = Batch.concat([b for b, _ in parts])
+                logits, states = self.head.decode(batch, self.context, torch.cat([h for _, h in parts]))
+                ends = [sum(len(b) for b, _ in parts[: j + 1]) - 1 for j in range(len(parts))]
+                still, parts = [], []
+                for row, (a, end) in enumerate(zip(active, ends)):
+                    token, p, probs = self._pick(logits[row], a)
+                    if p < a.p_min:
+                        self._finish(out, a)
+                        continue
+                    a.tokens.append(token)
+                    if probs is not None:
+                        a.probs.append(probs)
+                    if len(a.tokens) >= a.n_max:
+                        self._finish(out, a)
+                        continue
+                    still.append(a)
+                    parts.append((Batch.for_sequence(a.seq_id, batch.positions[end] + 1, [token], logits="last"),
+                                  states[end : end + 1]))
+                active = still
+        except BaseException:
+            for a in active:  # the head's rows for these sequences are unknown now: write them again
+                self.context.drop(a.seq_id)
+                self.seqs[a.seq_id].written = 0
+            raise
+        return out
+
+    def _pick(self, logits: torch.Tensor, a: _Drafting) -> tuple[int, float, torch.Tensor | None]:
+        """The next draft token, its probability under the head, and at temperature > 0 the
+        head's distribution over the target's vocabulary that it was sampled from."""
+        logits = logits[: self.n_vocab].float()
+        if a.temperature <= 0:
+            top = int(torch.argmax(logits))
+            return top, float(torch.exp(logits[top] - torch.logsumexp(logits, -1))), None
+        q = torch.softmax(logits / a.temperature, -1)
+        pick = int(torch.multinomial(q, 1, generator=a.generator))
+        return pick, float(q[pick]), q
+
+    def _finish(self, out: list[Draft | None], a: _Drafting) -> None:
+        if a.tokens and len(a.tokens) >= a.n_min:
+            probs = torch.stack(a.probs) if a.probs and len(a.probs) == len(a.tokens) else None
+            out[a.index] = Draft(tuple(a.tokens), self.spec_type, probs)
