@@ -488,7 +488,12 @@ class Engine:
                     seq.checkpoints = seq.checkpoints[len(seq.checkpoints) + 1 - self.config.ctx_checkpoints:]
                     seq.checkpoints.append((seq.n_cached, self.context.save(seq.seq_id)))
             decoding.append(seq)
-        drafts = self._propose_all(decoding)
+        # Checkpoint/replay: a sequence whose kept tokens ride again this step drafts nothing (as
+        # llama.cpp's replay step): a draft cut on top of them would restore to before them again,
+        # and the rows to replay would pile up.
+        replaying = {s.seq_id for s in decoding if self.recurrent and not self.row_rollback and len(s.tokens) - s.n_cached > 1}
+        drafts = self._propose_all([s for s in decoding if s.seq_id not in replaying])
+        drafts.update((sid, None) for sid in replaying)
         parts = []
         for seq in decoding:
             draft = drafts[seq.seq_id]
