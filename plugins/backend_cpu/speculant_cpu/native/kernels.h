@@ -3,7 +3,8 @@
 // list; this header is for the library's own files. Every .cpp includes it (or spk.h).
 //
 // Fused dequantize-and-multiply kernels for GGUF weights on x86 CPUs with AVX-512 VNNI (and
-// AMX-INT8 where the CPU has it).
+// AMX-INT8 where the CPU has it), or, in a build for AVX2 (isa.h), with AVX2 (and AVX-VNNI where
+// the CPU has it): the same results bit for bit.
 //
 // y[m, n] = x[m, k] @ W[n, k]^T, with W left in its GGUF block format (read straight from the
 // file's memory map) and x quantized per call the way llama.cpp's CPU backend does it: to
@@ -34,15 +35,16 @@
 // Called through ctypes (no Python or torch headers: it builds in a few seconds). Threads come
 // from a small pool of our own (pool.h); the caller runs a share of the work too.
 //
-// Where things are: blocks.h (the GGUF block layouts), unpack.h (weight blocks into registers),
-// epilogue.h (the shared fp32 epilogues), quantize.cpp (the activations), vnni_k.h and
-// vnni_b32.h (the per-row VNNI kernels), tiled.cpp (tiled VNNI), amx.cpp (AMX), linear.cpp (the
-// path choice, the dispatcher and the spk_linear* C API), pool.h/.cpp (threads), cpu.cpp (AMX
-// detection).
+// Where things are: isa.h (which ISA the build targets), blocks.h (the GGUF block layouts),
+// unpack.h (weight blocks into registers), epilogue.h (the shared fp32 epilogues), quantize.cpp
+// (the activations), vnni_k.h and vnni_b32.h (the per-row VNNI kernels; avx2_k.h and avx2_b32.h
+// the same on AVX2), tiled.cpp (tiled VNNI), amx.cpp (AMX), linear.cpp (the path choice, the
+// dispatcher and the spk_linear* C API), pool.h/.cpp (threads), cpu.cpp (AMX detection, the
+// ISA), vec16.h (16-float vectors and the vector exps of attention.cpp and elementwise.cpp).
 //
 // Everything internal is in namespace spk with hidden visibility: nothing but spk_* is exported,
 // and globals are reached without the GOT. The kernel headers (unpack.h, epilogue.h, vnni_k.h,
-// vnni_b32.h) put their code in an anonymous namespace inside it, so that each file including
+// vnni_b32.h, avx2_k.h, avx2_b32.h, vec16.h) put their code in an anonymous namespace inside it, so that each file including
 // them has its own internal copy, as when all of this was one file: GCC then specializes the
 // kernels to their one caller (constant-propagated clones, the same inlining), and the machine
 // code of the row kernels is what it was before the split (compared function by function).
