@@ -35,7 +35,10 @@ def tiny(tmp_path_factory):
     q35_path = write_tiny_model(d / "qwen35.gguf", "qwen35", nextn_layers=1, **Q35)
     q35_trunk = write_tiny_model(d / "qwen35-trunk.gguf", "qwen35", **Q35)  # the same trunk, no NextN block
     q35_sidecar = split_sidecar(q35_path, str(d / "mtp-qwen35.gguf"))
+    vocab = np.sort(np.random.default_rng(0).choice(512, 200, replace=False))
+    vocab_sidecar, _ = write_random_sidecar(d / "mtp-qwen2-vocab.gguf", q2_path, seed=1, n_ff=96, draft_vocab=vocab)
     return SimpleNamespace(dir=d, q2_path=q2_path, q2=load_model(q2_path, progress=False), sidecar=sidecar, net=net,
+                           vocab=vocab, vocab_sidecar=vocab_sidecar,
                            q35_path=q35_path, q35=load_model(q35_path, progress=False), q35_trunk_path=q35_trunk,
                            q35_trunk=load_model(q35_trunk, progress=False), q35_sidecar=q35_sidecar)
 
@@ -44,7 +47,7 @@ def targets(tiny, which):
     """(target, -md file) of a case: the qwen2 target with a sidecar, qwen35 with its own block,
     the qwen35 trunk with the block split off into a sidecar."""
     return {"qwen2": (tiny.q2, tiny.sidecar), "qwen35": (tiny.q35, None),
-            "qwen35-sidecar": (tiny.q35_trunk, tiny.q35_sidecar)}[which]
+            "qwen35-sidecar": (tiny.q35_trunk, tiny.q35_sidecar), "qwen2-vocab": (tiny.q2, tiny.vocab_sidecar)}[which]
 
 
 def make(target, draft, names=("mtp",), **options):
@@ -126,6 +129,22 @@ def test_missing_blocks_and_wrong_files_are_one_line_errors(tiny, tmp_path):
         make(tiny.q2, broken)
 
 
+def test_draft_vocabulary(tiny):
+    """A sidecar naming a draft vocabulary drafts from those tokens through those rows of the
+    target's lm_head; --spec-mtp-full-vocab drafts from all of them."""
+    spec = make(tiny.q2, tiny.vocab_sidecar)[0]
+    assert spec.head.vocab.tolist() == tiny.vocab.tolist()
+    h = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    logits, _ = spec.head.decode(Batch.for_sequence(0, 0, [1, 2, 3], logits="last"), spec.head.new_context(8), h)
+    full = make(tiny.q2, tiny.vocab_sidecar, spec_mtp_full_vocab=True)[0].head
+    assert full.vocab is None
+    ref, _ = full.decode(Batch.for_sequence(0, 0, [1, 2, 3], logits="last"), full.new_context(8), h)
+    assert logits.shape == (1, 200) and ref.shape == (1, 512)
+    assert torch.allclose(logits, ref[:, torch.from_numpy(tiny.vocab)], atol=1e-4)
+    drafts = _drafts(tiny.q2, tiny.vocab_sidecar, prompts(2, 30, seed=8))
+    assert drafts and all(set(d) <= set(tiny.vocab.tolist()) for d in drafts)
+
+
 # --- the head --------------------------------------------------------------------------------
 def test_head_matches_the_training_module(tiny):
     """Rows over a history, then two draft steps from one anchor: the inference head (fp16 KV,
@@ -185,7 +204,7 @@ def _drafts(target, draft, ps, n=20):
     return seen
 
 
-@pytest.mark.parametrize("which", ["qwen2", "qwen35", "qwen35-sidecar"])
+@pytest.mark.parametrize("which", ["qwen2", "qwen35", "qwen35-sidecar", "qwen2-vocab"])
 @pytest.mark.parametrize("chain", [("mtp",), ("draft-mtp",), ("ngram-simple", "mtp"), ("suffix", "mtp")])
 def test_greedy_equals_plain_for_concurrent_sequences(tiny, which, chain):
     target, draft = targets(tiny, which)
@@ -277,14 +296,21 @@ def test_a_long_prompt_is_written_into_the_head_in_pieces(tiny):
     assert out == run(tiny.q2, [prompt], 12)[1][0]
 
 
-def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):
+@pytest.mark.parametrize("which", ["qwen2", "qwen2-vocab"])
+def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny, which):
     """At temperature > 0 drafts come with the head's distribution over the target vocabulary
-    (rejection sampling); the first tokens are distributed as plain sampling's (chi-square)."""
+    (rejection sampling; zero outside a draft vocabulary); the first tokens are distributed as
+    plain sampling's (chi-square)."""
     params = lambda seed: SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
-    target, draft = tiny.q2, tiny.sidecar
+    target, draft = targets(tiny, which)
     prompt = prompts(1, 12, seed=9)[0]
     got = _drafts_sampled(target, draft, prompt, params(1))
     assert got and all(d.probs is not None and d.probs.shape == (len(d), target.info.n_vocab) for d in got)
+    assert all(torch.allclose(d.probs.sum(-1), torch.ones(len(d)), atol=1e-4) for d in got)
+    if which == "qwen2-vocab":
+        outside = torch.ones(target.info.n_vocab, dtype=torch.bool)
+        outside[torch.from_numpy(tiny.vocab)] = False
+        assert all(float(d.probs[:, outside].sum()) == 0 and set(d.tokens) <= set(tiny.vocab.tolist()) for d in got)
 
     def second_tokens(speculators):
         out = []
@@ -337,6 +363,7 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     assert json.loads((data / "manifest.json").read_text())["tokens"] == manifest["tokens"]  # not collected again
     g = open_gguf(str(out))
     assert has_nextn(g) and read_config(g).n_ff == 64
+    assert len(g.metadata["speculant.mtp.draft_vocab"]) == 200  # the training vocabulary, drafted from
     summary = json.loads(g.metadata["speculant.training"])
     assert summary["steps"] == 60 and len(summary["held_out_accuracy"]) == 3
     assert summary["held_out_accuracy"][0] > 0.1  # it learned something of the target

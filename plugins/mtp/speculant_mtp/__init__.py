@@ -33,6 +33,13 @@ def speculant_register_speculators(register):
 
 
 @hookimpl
+def speculant_add_options(parser):
+    parser.add_argument("--spec-mtp-full-vocab", action="store_true", default=None,
+                        help="mtp: draft over the whole vocabulary even where the MTP file names a draft vocabulary "
+                             "(speculant.mtp.draft_vocab, which speculant train mtp writes)")
+
+
+@hookimpl
 def speculant_add_trainers(subparsers, register):
     """`speculant train mtp ...`."""
     from speculant_mtp.train.command import add_parser, run

@@ -8,7 +8,9 @@
                                                            step's h (llama.cpp's h_nextn)
                    logits = shared_head_head(s)            over the target's vocabulary
 
-The embedding, the head norm and the lm_head fall back as llama.cpp's do (nextn.embed_tokens ->
+With the file's draft vocabulary (`speculant.mtp.draft_vocab`, which `speculant train mtp` writes)
+the lm_head is those rows only: on a 150k-token target the whole lm_head is three quarters of a
+draft step. The embedding, the head norm and the lm_head fall back as llama.cpp's do (nextn.embed_tokens ->
 token_embd, shared_head_norm -> output_norm, shared_head_head -> output -> token_embd), and what a
 file lacks, or holds identical to the target, is the target's own module (no second copy). The
 weights stay in the file's quantized form behind `backend.linear`.
@@ -21,17 +23,20 @@ import numpy as np
 import torch
 
 from speculant import Batch, KVCache, ModelFileError, SpeculantError, backend_kernel
+from speculant.gguf import TensorInfo
 
 from speculant_mtp.kernels import apply_rope, rms_norm, rope_for, rope_tables, rotate_partial, silu_times
-from speculant_mtp.layout import MtpConfig, block_shapes, read_config, required
+from speculant_mtp.layout import VOCAB_KEY, MtpConfig, block_shapes, read_config, required
 
 
 class MtpHead:
     """A loaded MTP block with what it borrows from its target."""
 
-    def __init__(self, config: MtpConfig, path: str, backend, parts: dict, embed, head_norm, head, in_target: bool):
+    def __init__(self, config: MtpConfig, path: str, backend, parts: dict, embed, head_norm, head, in_target: bool,
+                 vocab: torch.Tensor | None = None):
         self.config, self.path, self.backend, self.parts = config, path, backend, parts
         self.embed, self.head_norm, self.head = embed, head_norm, head
+        self.vocab = vocab  # the token id of each logit column, or None: the whole vocabulary
         self.in_target = in_target  # the block sits in the target's own file
         self.file_bytes = os.path.getsize(path)
         self.norm = backend_kernel(backend, "rms_norm", rms_norm)
@@ -40,10 +45,11 @@ class MtpHead:
         self.swiglu = backend_kernel(backend, "swiglu", silu_times)
 
     @classmethod
-    def load(cls, gguf, target, progress=None) -> "MtpHead":
+    def load(cls, gguf, target, progress=None, full_vocab: bool = False) -> "MtpHead":
         """MTP block 0 of the opened GGUF `gguf` (the target's own file or a sidecar), on the
         target's backend, borrowing from `target` (a loaded model with `embed`, `out_norm`,
-        `output`) what the file lacks or holds identical."""
+        `output`) what the file lacks or holds identical. The lm_head covers the file's draft
+        vocabulary (VOCAB_KEY) where it has one, unless `full_vocab`."""
         backend = target.backend
         in_target = os.path.realpath(gguf.path) == os.path.realpath(target.info.path)
         cfg = read_config(gguf, n_vocab=target.info.n_vocab)
@@ -102,8 +108,20 @@ class MtpHead:
             if out is not None and not (target_file is not None and _same(out, target_file.tensors.get("output.weight")
                                                                      or target_file.tensors.get("token_embd.weight"))):
                 t = info(out.name)
+        vocab = None
+        ids = gguf.metadata.get(VOCAB_KEY)
+        if ids is not None and not full_vocab:
+            vocab = torch.tensor([int(i) for i in ids], dtype=torch.long)
+            if vocab.dim() != 1 or len(vocab) == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= cfg.n_vocab \
+                    or len(torch.unique(vocab)) != len(vocab):
+                raise ModelFileError(f"{gguf.path}: '{VOCAB_KEY}' must hold distinct token ids below {cfg.n_vocab}")
+            if t is None:  # the rows of the target's own lm_head
+                tf = target_file or _open(target.info.path)
+                t = tf.tensors.get("output.weight") or tf.tensors.get("token_embd.weight")
+            rows = np.ascontiguousarray(np.asarray(t.data)[vocab.numpy()])
+            t = TensorInfo(t.name, t.qtype, (len(vocab),) + tuple(t.shape[1:]), rows)
         head = backend.linear(t) if t is not None else _borrow(target, "output", gguf.path)
-        return cls(cfg, gguf.path, backend, parts, embed, head_norm, head, in_target)
+        return cls(cfg, gguf.path, backend, parts, embed, head_norm, head, in_target, vocab)
 
     def new_context(self, max_tokens: int) -> KVCache:
         c = self.config
@@ -118,7 +136,8 @@ class MtpHead:
     def decode(self, batch: Batch, cache: KVCache, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows (token, h) at the batch's positions, appended to `cache` (each sequence's rows must
         continue its cache). Returns (logits of the rows that want them, over the target's
-        vocabulary; the output state of every row, the next step's h)."""
+        vocabulary or the head's draft vocabulary `vocab`; the output state of every row, the
+        next step's h)."""
         c, p = self.config, self.parts
         rows, hd = len(batch), c.head_dim
         e = self.embed(torch.tensor(batch.tokens)).float()
@@ -157,7 +176,7 @@ class MtpHead:
         x = x + p["ffn_down"](self.swiglu(p["ffn_gate"](y), p["ffn_up"](y)).contiguous())
         s = self.norm(x, self.head_norm, c.eps)
         want = [i for i, w in enumerate(batch.want_logits) if w]
-        logits = self.head(s[want].contiguous()) if want else s.new_empty(0, c.n_vocab)
+        logits = self.head(s[want].contiguous()) if want else s.new_empty(0, c.n_vocab if self.vocab is None else len(self.vocab))
         return logits, s
 
 

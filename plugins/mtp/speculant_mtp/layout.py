@@ -41,6 +41,10 @@ import numpy as np
 from speculant import ModelFileError
 
 GATED_ARCHS = ("qwen35",)
+# speculant's own key (llama.cpp ignores it): the token ids the block drafts from, by default; the
+# trainer stores its training vocabulary here. The lm_head over these rows costs a fraction of the
+# whole vocabulary's (on a 150k-token target, the lm_head is three quarters of a draft step).
+VOCAB_KEY = "speculant.mtp.draft_vocab"
 PLAIN_ARCHS = ("qwen2", "qwen3", "llama")
 ARCHS = GATED_ARCHS + PLAIN_ARCHS
 NEXTN = ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")
@@ -199,13 +203,15 @@ def _copy_tensor(writer, info) -> None:
 
 
 def write_sidecar(path: str, target_path: str, weights: dict[str, np.ndarray], *, n_nextn: int = 1, qtype: str = "F16",
-                  shared: bool | None = None, name: str = "speculant MTP head", extra: dict[str, str] | None = None) -> str:
+                  shared: bool | None = None, name: str = "speculant MTP head", extra: dict[str, str] | None = None,
+                  draft_vocab: np.ndarray | None = None) -> str:
     """Write an MTP sidecar for the target at `target_path` in llama.cpp's layout: the target's
     metadata (tokenizer included) with block_count = trunk + n_nextn and nextn_predict_layers =
     n_nextn, and the tensors `weights` (GGUF names -> float arrays, PyTorch order; matrices stored
     as `qtype`, 1-D tensors as F32). `shared`: copy token_embd, output_norm and output from the
     target as llama.cpp's sidecar loader requires (default: for the architectures llama.cpp can
-    run MTP for, qwen35; others borrow the target's at load and keep the file small)."""
+    run MTP for, qwen35; others borrow the target's at load and keep the file small).
+    `draft_vocab`: token ids to draft from by default (VOCAB_KEY)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
     from gguf.quants import quantize
 
@@ -234,6 +240,8 @@ def write_sidecar(path: str, target_path: str, weights: dict[str, np.ndarray], *
         w.add_array(f"{arch}.feed_forward_length", [int(n_ff_trunk)] * n_trunk + [int(gates[0])] * n_nextn)
     for key, value in (extra or {}).items():
         w.add_string(key, value)
+    if draft_vocab is not None:
+        w.add_array(VOCAB_KEY, [int(t) for t in np.asarray(draft_vocab).reshape(-1)])
     q = GGMLQuantizationType[qtype]
     if shared:
         for tname in SHARED:

@@ -75,7 +75,7 @@ def run(args) -> int:
     del target
     embed, lm_head = target_parts(args.model)
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
-    net, acc, done = train(cfg, embed, lm_head, args.model, args.data, total_steps=args.steps, batch=args.batch,
+    net, vocab, acc, done = train(cfg, embed, lm_head, args.model, args.data, total_steps=args.steps, batch=args.batch,
                            window=args.window, steps=args.unroll, lr=args.lr, n_train_vocab=args.train_vocab,
                            save_every=args.save_every, seed=args.seed, always=sorted(set(eog_ids(args.model))),
                            bias=not cfg.gated, log=log, progress=sys.stderr.isatty(), time_limit=remaining,
@@ -83,7 +83,7 @@ def run(args) -> int:
     summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "held_out_accuracy": [round(a, 4) for a in acc], "sources": sources, "ffn": args.ffn,
                "unroll": args.unroll, "train_vocab": args.train_vocab}
-    write_sidecar(args.output, args.model, net.gguf_weights(), qtype=args.qtype,
+    write_sidecar(args.output, args.model, net.gguf_weights(), qtype=args.qtype, draft_vocab=vocab,
                   extra={"speculant.training": json.dumps(summary)})
     log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per draft step "
         f"{summary['held_out_accuracy']}" + ("" if done >= args.steps else " (rerun the same command to continue)"))

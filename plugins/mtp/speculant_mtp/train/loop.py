@@ -7,8 +7,9 @@ hidden state): the unrolled loss, held-out accuracy, checkpoints.
   0.8^j; accuracy: the block's argmax equals the target's top-1.
 * Training vocabulary: the softmax of the loss runs over the `n_train_vocab` tokens the target
   predicts most often (top-1) on the training documents, the end-of-generation tokens always in
-  (the full vocabulary's lm_head costs 10x more here on a 150k-token target). At inference the
-  block's logits are over the whole vocabulary, through the target's lm_head, as llama.cpp's.
+  (the full vocabulary's lm_head costs 10x more here on a 150k-token target). The sidecar names
+  it as its draft vocabulary (speculant.mtp.draft_vocab): speculant drafts from those rows of the
+  target's lm_head (--spec-mtp-full-vocab: all of them, as llama.cpp's graph does).
 * Start: the attention block and FFN from the target's last layer where the shapes allow (the
   FFN's first n_ff neurons), shared_head_norm from the target's output_norm, eh_proj random
   (std 0.02). Embedding and lm_head are the target's, frozen.
@@ -154,8 +155,9 @@ def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_pat
           batch: int = 4, window: int = 256, steps: int = 3, lr: float = 3e-4, n_train_vocab: int = 16384,
           save_every: int = 100, seed: int = 0, always: list[int] = (), bias: bool = True, log=print,
           progress: bool = True, time_limit: float | None = None, bf16: bool = False):
-    """Train (or resume) and return (net, held-out accuracies per step, steps done). Stops early
-    after `time_limit` seconds with a checkpoint, so a later run continues."""
+    """Train (or resume) and return (net, training vocabulary or None, held-out accuracies per
+    step, steps done). Stops early after `time_limit` seconds with a checkpoint, so a later run
+    continues."""
     from tqdm import tqdm
 
     shards = Shards(data_dir)
@@ -219,4 +221,4 @@ def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_pat
         step = total_steps
     save(step)
     acc = evaluate(net, held_batches, held, steps, vocab, n=64)
-    return net, acc, step
+    return net, vocab_np, acc, step
