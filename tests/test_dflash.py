@@ -386,3 +386,49 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     _, plain = run(tiny.target, ps, 16)
     engine, out_tokens = run(tiny.target, ps, 16, spec)
     assert out_tokens == plain and engine.spec_stats["dflash"].drafted > 0
+
+
+def _llamacpp_reference():
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "dflash-llamacpp.json"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    cases = {r["case"]["name"]: r["case"] for r in rows if "case" in r and isinstance(r["case"], dict)}
+    return [(cases[r["result"]], r) for r in rows if "result" in r]
+
+
+@pytest.mark.parametrize("case,ref", _llamacpp_reference(), ids=lambda x: x.get("name", "") if isinstance(x, dict) else "")
+def test_drafts_equal_llama_cpp_draft_dflash(case, ref, tmp_path):
+    """llama-server (`--spec-type draft-dflash`, greedy, its verbose log's drafts) loaded the
+    drafter this test writes again (scripts/dflash_llamacpp.py wrote tests/data/dflash-llamacpp.json)
+    and drafted, block for block, what speculant drafts: llama.cpp reads our files as we do. Rounds
+    are compared while both engines' histories agree; a differing draft there is a near tie."""
+    from speculant_dflash.testing import write_random_head
+
+    target_path = write_tiny_model(tmp_path / "target.gguf", case["arch"], **case["writer"])
+    head, _, _ = write_random_head(tmp_path / "dflash.gguf", target_path, **case["head"])
+    target = load_model(target_path, progress=False)
+    spec = build_speculators(["dflash"], {"seed": 1}, target=target, draft_model=head)[0]
+    rounds, original = [], spec.propose_batch
+
+    def spy(requests):
+        out = original(requests)
+        rounds.extend(list(d.tokens) for d in out if d is not None)
+        return out
+    spy.speculant_impl = original.speculant_impl
+    spec.propose_batch = spy
+    n_max = case["head"]["block_size"] - 1
+    engine = Engine(target, EngineConfig(n_ctx=2048, draft_n_max=n_max, adaptive=False), [spec])
+    seq = engine.add(ref["prompt"], len(ref["llama_tokens"]), SamplingParams())
+    while engine.active():
+        engine.step()
+    theirs, ours = ref["llama_drafts"], rounds[ref["offset"]:]
+    # compare up to where the greedy histories part (a tie of the two targets' own logits)
+    tokens, mine = ref["llama_tokens"], seq.tokens[seq.n_prompt:]
+    n_same = next((i for i, (a, b) in enumerate(zip(tokens, mine)) if a != b), min(len(tokens), len(mine)))
+    pairs = list(zip(ours, theirs))[: max(1, n_same - 1)]
+    assert all(len(d) == n_max for d in theirs[: len(pairs) - 1]), "llama.cpp drafted its full block every round"
+    first = sum(a[:1] == b[:1] for a, b in pairs)
+    whole = sum(a == b[: len(a)] for a, b in pairs)
+    assert first >= 0.9 * len(pairs) and whole >= 0.8 * len(pairs), (first, whole, len(pairs))
