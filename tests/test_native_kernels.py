@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -25,9 +26,11 @@ from speculant.gguf.quants import dequantize
 from speculant.testing.tiny_gguf import quantize
 from speculant_cpu import native
 
+ISAS = native.available_isas() or [None]
+with ThreadPoolExecutor(len(ISAS)) as _pool:  # first use: the ISAs' libraries compile side by side
+    list(_pool.map(native.load, ISAS))
 lib = native.load()  # the selected ISA's; the `isa` fixture below sets each ISA's in turn
 pytestmark = pytest.mark.skipif(lib is None, reason=f"native kernels unavailable here: {native.why_unavailable()}")
-ISAS = native.available_isas() or [None]
 
 
 @pytest.fixture(scope="module", autouse=True, params=ISAS)
