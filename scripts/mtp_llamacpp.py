@@ -9,6 +9,11 @@ For each case: write the files the tests write, run llama-server (`--spec-type d
 round where both histories agree. Bench/test-data only: llama.cpp is never a runtime dependency.
 
     .venv/bin/python scripts/mtp_llamacpp.py --llama-server PATH [--only NAME ...] [--json OUT]
+
+Cases: a qwen35 file with its NextN block (llama.cpp uses it with no -md); the block split off into
+a sidecar as `convert_hf_to_gguf.py --mtp` writes one (-md); a sidecar `speculant train mtp`
+trains for the qwen35 trunk (drafts that get accepted); a sidecar for a qwen2 target (llama.cpp
+has no MTP graph for qwen2: it is expected to refuse it, and the log says how).
 """
 from __future__ import annotations
 
@@ -37,8 +42,13 @@ Q35 = {"qtype": "Q8_0", "seed": 22, "n_layers": 5, "recurrent_layers": [True, Fa
 CASES = [
     {"name": "qwen35-in-file", "arch": "qwen35", "writer": {**Q35, "nextn_layers": 1}, "sidecar": None},
     {"name": "qwen35-sidecar", "arch": "qwen35", "writer": {**Q35, "nextn_layers": 1}, "sidecar": "split"},
-    {"name": "qwen2-trained-sidecar", "arch": "qwen2", "writer": {"qtype": "F32", "seed": 3, "n_layers": 2}, "sidecar": "random"},
+    {"name": "qwen35-trained-sidecar", "arch": "qwen35", "writer": Q35, "sidecar": "train"},
+    {"name": "qwen2-sidecar", "arch": "qwen2", "writer": {"qtype": "F32", "seed": 3, "n_layers": 2}, "sidecar": "random"},
 ]
+# `speculant train mtp` with tiny settings (seconds): the target's own chat turns over the core's sources
+TRAIN = ["--source", str(ROOT / "core/speculant/*.py"), "--tokens", "2000", "--piece-tokens", "100", "--batch", "4",
+         "--window", "64", "--lr", "3e-3", "--steps", "400", "--save-every", "1000", "--qtype", "F32", "--precision", "fp32",
+         "--train-vocab", "0"]
 
 
 def _post(url: str, body: dict) -> dict:
@@ -132,6 +142,13 @@ def run_case(case: dict, server: str, port: int, n_predict: int, n_max: int) -> 
             target_path = write_tiny_model(os.path.join(tmp, "trunk.gguf"), case["arch"], **{**case["writer"], "nextn_layers": 0})
         elif case["sidecar"] == "random":
             sidecar = write_random_sidecar(os.path.join(tmp, "mtp-target.gguf"), full, seed=1)[0]
+        elif case["sidecar"] == "train":
+            from speculant.cli import main as cli
+
+            sidecar = os.path.join(tmp, "mtp-trained.gguf")
+            n_ff = str(case["writer"].get("n_ff", 128))  # the trunk's width: one feed_forward_length for all blocks
+            if cli(["train", "mtp", "-m", full, "-o", sidecar, "--data", os.path.join(tmp, "data"), "--ffn", n_ff, *TRAIN]):
+                raise RuntimeError("speculant train mtp failed")
         log = Path(tmp) / "server.log"
         args = ["-m", target_path, "--spec-type", "draft-mtp", "--spec-draft-n-max", str(n_max)]
         if sidecar:
@@ -140,7 +157,10 @@ def run_case(case: dict, server: str, port: int, n_predict: int, n_max: int) -> 
         result = {"case": case["name"], "sidecar": case["sidecar"], "llama_loaded": url is not None, "prompts": []}
         try:
             target = load_model(target_path, progress=False)
-            for prompt in PROMPTS:
+            # and a turn like the trainer's data (a user asking for a source file)
+            chat = target.tokenizer.encode_chat([{"role": "user", "content": "Show me the source of `speculant/engine.py`."}],
+                                                add_generation_prompt=True)
+            for prompt in PROMPTS + [chat]:
                 mine, my_rounds, drafted, accepted = ours(target, prompt, n_predict, n_max, sidecar)
                 row = {"prompt": prompt, "ours": {"tokens": mine, "drafted": drafted, "accepted": accepted}}
                 if url is not None:

@@ -171,6 +171,9 @@ def test_head_matches_the_training_module(tiny):
 def test_gated_head_matches_the_training_module(tiny, tmp_path):
     """The same for qwen35's block (query gate, q/k norms, IMROPE with an unrotated section)."""
     path, net = write_random_sidecar(tmp_path / "mtp-q35.gguf", tiny.q35_trunk_path, seed=2)
+    g = open_gguf(path)  # per-layer arrays cover the block too (llama.cpp checks their length)
+    assert g.arch_key("attention.recurrent_layers") == Q35["recurrent_layers"] + [False]
+    assert {"token_embd.weight", "output_norm.weight"} <= set(g.tensors)  # what llama.cpp's qwen35 sidecar needs
     head = make(tiny.q35_trunk, path)[0].head
     assert head.config.gated and head.config.unrotated
     T = 12

@@ -193,6 +193,37 @@ def required(c: MtpConfig, k: int = 0) -> list[str]:
 SHARED = ("token_embd.weight", "output_norm.weight", "output.weight")
 
 
+def _copy_metadata(reader, writer, arch: str, n_trunk: int, n_nextn: int, n_ff: int | None = None) -> None:
+    """The target's metadata for a file of n_trunk + n_nextn blocks: block_count and
+    nextn_predict_layers set; every per-layer array (llama.cpp checks their length against
+    block_count: attention.recurrent_layers, per-layer head counts, ...) cut to the trunk and
+    extended for the MTP blocks (False, or the array's largest value: an attention layer's);
+    feed_forward_length per layer where the block's FFN (`n_ff`) differs from the trunk's."""
+    from gguf import GGUFValueType
+
+    from speculant.gguf import field_value
+
+    n_target = None
+    for name, field in reader.fields.items():
+        if name == f"{arch}.block_count":
+            n_target = int(field_value(field)[0])
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.name", f"{arch}.block_count",
+                                                f"{arch}.nextn_predict_layers"):
+            continue
+        value, vtype, sub = field_value(field)
+        if vtype == GGUFValueType.ARRAY and name.startswith(arch + ".") and len(value) == n_target \
+                and sub != GGUFValueType.STRING:
+            trunk = list(value)[:n_trunk]
+            extra = False if sub == GGUFValueType.BOOL else max(trunk)
+            value = trunk + [extra] * n_nextn
+        elif name == f"{arch}.feed_forward_length" and n_ff is not None and vtype != GGUFValueType.ARRAY and value != n_ff:
+            value, vtype, sub = [value] * n_trunk + [n_ff] * n_nextn, GGUFValueType.ARRAY, vtype
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    writer.add_block_count(n_trunk + n_nextn)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", n_nextn)
+
+
 def _copy_tensor(writer, info) -> None:
     """A tensor of an opened GGUF into a GGUFWriter, as it is (quantized blocks stay blocks)."""
     data = np.asarray(info.data)
@@ -215,7 +246,7 @@ def write_sidecar(path: str, target_path: str, weights: dict[str, np.ndarray], *
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
     from gguf.quants import quantize
 
-    from speculant.gguf import copy_fields, open_gguf
+    from speculant.gguf import open_gguf
 
     tg = open_gguf(target_path)
     arch = tg.architecture
@@ -225,19 +256,9 @@ def write_sidecar(path: str, target_path: str, weights: dict[str, np.ndarray], *
     if shared is None:
         shared = arch in GATED_ARCHS
     w = GGUFWriter(str(path), arch)
-    skip = {f"{arch}.block_count", f"{arch}.nextn_predict_layers", "general.name", "general.architecture"}
-    # An FFN narrower than the trunk's: feed_forward_length per layer (llama.cpp reads either form).
-    n_ff_trunk = tg.arch_key("feed_forward_length")
     gates = [a.shape[0] for n, a in weights.items() if n.endswith(".ffn_gate.weight")]
-    per_layer = bool(gates) and isinstance(n_ff_trunk, int) and gates[0] != n_ff_trunk
-    if per_layer:
-        skip.add(f"{arch}.feed_forward_length")
-    copy_fields(GGUFReader(target_path), w, keep=lambda key: not key.startswith("GGUF.") and key not in skip)
+    _copy_metadata(GGUFReader(target_path), w, arch, n_trunk, n_nextn, n_ff=gates[0] if gates else None)
     w.add_name(name)
-    w.add_block_count(n_trunk + n_nextn)
-    w.add_uint32(f"{arch}.nextn_predict_layers", n_nextn)
-    if per_layer:
-        w.add_array(f"{arch}.feed_forward_length", [int(n_ff_trunk)] * n_trunk + [int(gates[0])] * n_nextn)
     for key, value in (extra or {}).items():
         w.add_string(key, value)
     if draft_vocab is not None:

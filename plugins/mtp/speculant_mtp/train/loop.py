@@ -92,9 +92,11 @@ class Batches:
         return d.clamp_min(0), p, self.t2v[ids[..., 0]]
 
 
-def step_losses(net: MtpNet, tokens, hidden, labels, steps: int, vocab: torch.Tensor | None):
+def step_losses(net: MtpNet, tokens, hidden, labels, steps: int):
+    """Per unrolled step, the loss and the top-1 accuracy; the net's lm_head rows are the
+    labels' columns (the training vocabulary's rows, or all)."""
     v_ids, v_p, top1 = labels
-    outs = net.unrolled(tokens, hidden, steps, vocab=vocab)
+    outs = net.unrolled(tokens, hidden, steps)
     losses, accs = [], []
     T = hidden.shape[1]
     for j, logits in enumerate(outs):
@@ -137,7 +139,7 @@ def init_from_target(net: MtpNet, target_path: str) -> None:
             net.head_norm.weight.copy_(norm)
 
 
-def evaluate(net, batches: Batches, held: list, steps: int, vocab, n: int = 16, seed: int = 0) -> list[float]:
+def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: int = 0) -> list[float]:
     rng_state = batches.rng
     batches.rng = np.random.default_rng(seed)
     net.eval()
@@ -145,7 +147,7 @@ def evaluate(net, batches: Batches, held: list, steps: int, vocab, n: int = 16, 
     with torch.no_grad():
         for _ in range(max(1, n // 8)):
             tokens, hidden, labels = batches.batch(8, held)
-            accs += np.array(step_losses(net, tokens, hidden, labels, steps, vocab)[1])
+            accs += np.array(step_losses(net, tokens, hidden, labels, steps)[1])
     net.train()
     batches.rng = rng_state
     return (accs / max(1, n // 8)).tolist()
@@ -174,7 +176,8 @@ def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_pat
         t2v = torch.full((cfg.n_vocab,), -1, dtype=torch.long)
         t2v[vocab] = torch.arange(len(vocab))
     torch.manual_seed(seed)
-    net = MtpNet(cfg, embed, lm_head, bias=bias)
+    # only the training vocabulary's rows of the lm_head, in its order (the labels' column ids)
+    net = MtpNet(cfg, embed, lm_head if vocab is None else lm_head[vocab].contiguous(), bias=bias)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if state is not None:
@@ -202,7 +205,7 @@ def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_pat
             group["lr"] = lr * sched(step)
         tokens, hidden, labels = batches.batch(batch)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            losses, accs = step_losses(net, tokens, hidden, labels, steps, vocab)
+            losses, accs = step_losses(net, tokens, hidden, labels, steps)
             loss = sum(STEP_WEIGHT ** j * l for j, l in enumerate(losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -212,7 +215,7 @@ def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_pat
         if (step + 1) % save_every == 0:
             save(step + 1)
             log(f"step {step + 1}: loss {loss.item():.3f}, train acc {[round(a, 3) for a in accs]}, "
-                f"held-out acc {[round(a, 3) for a in evaluate(net, held_batches, held, steps, vocab)]}")
+                f"held-out acc {[round(a, 3) for a in evaluate(net, held_batches, held, steps)]}")
         if time_limit is not None and time.time() - t0 > time_limit:
             step += 1
             log(f"time limit: stopped at step {step} of {total_steps}, rerun to continue")
@@ -220,5 +223,5 @@ def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_pat
     else:
         step = total_steps
     save(step)
-    acc = evaluate(net, held_batches, held, steps, vocab, n=64)
+    acc = evaluate(net, held_batches, held, steps, n=64)
     return net, vocab_np, acc, step
