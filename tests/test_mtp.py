@@ -79,6 +79,7 @@ def test_block_in_the_target_s_own_file(tiny):
     assert head.in_target and head.path == tiny.q35_path
     # what the block shares with the trunk is the target's own module, not a second copy
     assert head.embed is tiny.q35.embed and head.head is tiny.q35.output
+    assert head.parts["nextn.eh_proj"] is tiny.q35.nextn[0].eh_proj  # the block the target loaded, reused
     assert spec.hidden_layers == (5,)  # the final-normed state: llama.cpp's h_nextn for qwen35
 
 

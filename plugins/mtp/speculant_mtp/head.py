@@ -75,6 +75,10 @@ class MtpHead:
             return t
 
         b = f"blk.{cfg.block()}."
+        shared = _target_block(target) if in_target and gguf.metadata.get(VOCAB_KEY) is None else None
+        if shared is not None:  # the target loaded its own NextN block: use those modules, no second copy
+            parts, embed, head_norm, head = shared
+            return cls(cfg, gguf.path, backend, parts, embed, head_norm, head, in_target)
         parts = {}
         for n in ("nextn.eh_proj", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
             parts[n] = backend.linear(info(b + n + ".weight"))
@@ -178,6 +182,30 @@ class MtpHead:
         want = [i for i, w in enumerate(batch.want_logits) if w]
         logits = self.head(s[want].contiguous()) if want else s.new_empty(0, c.n_vocab if self.vocab is None else len(self.vocab))
         return logits, s
+
+
+def _target_block(target):
+    """(parts, embed, head norm, lm_head) from the NextN block a target model loaded with its trunk
+    (`target.nextn[0]`, as the transformer plugin's qwen35 keeps it: `eh_proj`, `enorm`, `hnorm`,
+    `block` with `attn_norm`, `mixer` (`wq`, `wk`, `wv`, `wo`, `q_norm`, `k_norm`), `post_norm`,
+    `w_gate`, `w_up`, `w_down`, and the optional `embed_tokens`, `shared_head_norm`,
+    `shared_head_head`), or None when the target keeps none in that form."""
+    blocks = getattr(target, "nextn", None)
+    if not blocks:
+        return None
+    nb = blocks[0]
+    try:
+        blk, mx = nb.block, nb.block.mixer
+        parts = {"nextn.eh_proj": nb.eh_proj, "nextn.enorm": nb.enorm, "nextn.hnorm": nb.hnorm, "attn_norm": blk.attn_norm,
+                 "attn_q": mx.wq, "attn_k": mx.wk, "attn_v": mx.wv, "attn_output": mx.wo, "attn_q_norm": mx.q_norm,
+                 "attn_k_norm": mx.k_norm, "ffn_norm": blk.post_norm, "ffn_gate": blk.w_gate, "ffn_up": blk.w_up,
+                 "ffn_down": blk.w_down}
+        embed = nb.embed_tokens if nb.embed_tokens is not None else target.embed
+        head_norm = nb.shared_head_norm if nb.shared_head_norm is not None else target.out_norm
+        head = nb.shared_head_head if nb.shared_head_head is not None else target.output
+    except AttributeError:
+        return None
+    return parts, embed, head_norm, head
 
 
 def _open(path: str):
