@@ -159,6 +159,14 @@ def test_missing_keys_and_bad_files_are_one_line_errors(tiny, tmp_path):
     write_head(str(path), net.cfg, weights, target_path=tiny.target_path, d2t=tiny.d2t)
     with pytest.raises(ModelFileError, match="d2t"):
         load_model(str(path), progress=False)
+    # what llama.cpp requires of the file: the MASK token, the taps, the norm epsilon
+    from gguf_edit import rewrite
+
+    for key in ("tokenizer.ggml.mask_token_id", "dflash.target_layers", "dflash.attention.layer_norm_rms_epsilon",
+                "dflash.feed_forward_length"):
+        rewrite(tiny.head_path, path, {key: None})
+        with pytest.raises(ModelFileError, match=key.split(".", 1)[1] if key.startswith("dflash.") else key):
+            load_model(str(path), progress=False)
     with pytest.raises(SpeculantError, match="not a DFlash drafter"):
         build_speculators(["dflash"], {}, target=tiny.target, draft_model=tiny.target_path)
     with pytest.raises(SpeculantError, match="-md"):

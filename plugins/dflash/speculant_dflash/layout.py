@@ -97,6 +97,8 @@ def default_target_layers(n_layers: int, n_taps: int = 3) -> tuple[int, ...]:
 
 def _scalar_or_uniform(gguf, key, default=None):
     value = gguf.arch_key(key, default)
+    if value is None:
+        raise ModelFileError(f"{gguf.path}: metadata '{ARCH}.{key}' is missing")
     if isinstance(value, (list, tuple)):
         values = {int(v) for v in value}
         if len(values) != 1:
@@ -155,7 +157,6 @@ def read_config(gguf) -> DFlashConfig:
         raise ModelFileError(f"{gguf.path}: rope scaling '{scale_type}' is not supported for a DFlash drafter")
     factor = float(gguf.arch_key("rope.scaling.factor", 1.0) or 1.0) if scale_type == "linear" else 1.0
     out = gguf.tensors.get("output.weight")
-    emb = gguf.tensors.get("token_embd.weight")
     d2t = gguf.tensors.get("d2t")
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
     n_target_vocab = int(gguf.arch_key("vocab_size", len(tokens) if tokens is not None else 0))
@@ -171,7 +172,6 @@ def read_config(gguf) -> DFlashConfig:
     block = int(gguf.arch_key("block_size", 16))
     if block < 2:
         raise ModelFileError(f"{gguf.path}: '{ARCH}.block_size' {block}: a block needs the last token and a MASK at least")
-    del emb
     return DFlashConfig(
         n_embd=n_embd, n_layers=n_layers, n_head=n_head, n_kv_head=n_kv, head_dim=head_dim,
         n_ff=int(_scalar_or_uniform(gguf, "feed_forward_length")), n_draft_vocab=int(n_draft), n_target_vocab=n_target_vocab,
