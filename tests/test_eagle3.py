@@ -226,3 +226,12 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     _, plain = run(tiny.target, ps, 16)
     engine, out_tokens = run(tiny.target, ps, 16, spec)
     assert out_tokens == plain and engine.spec_stats["eagle3"].drafted > 0
+
+
+def test_layout_keeps_the_norm_epsilon(tmp_path):
+    """The head's RMSNorm epsilon is read back from the key the writer writes (a target whose
+    epsilon is not the 1e-6 default shows a misspelt key)."""
+    target_path = write_tiny_model(tmp_path / "target.gguf", "qwen2", n_layers=4, n_embd=64, rms_eps=1e-5)
+    head_path, net, _ = write_random_head(tmp_path / "head.gguf", target_path)
+    assert net.cfg.eps == pytest.approx(1e-5)
+    assert load_model(head_path, progress=False).config.eps == pytest.approx(1e-5)

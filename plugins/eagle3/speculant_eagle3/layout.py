@@ -89,7 +89,7 @@ def read_config(gguf) -> HeadConfig:
     return HeadConfig(
         n_embd=n_embd, n_head=n_head, n_kv_head=n_kv, head_dim=head_dim, n_ff=int(need("feed_forward_length")),
         n_draft_vocab=int(n_draft), n_target_vocab=n_target_vocab, target_layers=layers,
-        target_hidden=int(need("target_hidden_size")), eps=float(gguf.arch_key("attention.layer_norm_rms_eps", 1e-6)),
+        target_hidden=int(need("target_hidden_size")), eps=float(gguf.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_base=float(gguf.arch_key("rope.freq_base", 10000.0)), n_ctx=int(gguf.arch_key("context_length", 32768)),
         norm_before_residual=bool(gguf.arch_key("norm_before_residual", False)),
         norm_before_fc=bool(gguf.arch_key("norm_before_fc", False)),

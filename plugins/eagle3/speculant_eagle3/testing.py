@@ -31,7 +31,7 @@ def head_config_for(target_path: str, *, n_draft_vocab: int | None = None, n_ff:
     return HeadConfig(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv, head_dim=n_embd // n_head,
                       n_ff=n_ff or int(g.arch_key("feed_forward_length")), n_draft_vocab=n_draft_vocab or n_vocab,
                       n_target_vocab=n_vocab, target_layers=tuple(target_layers or default_target_layers(n_layers)),
-                      target_hidden=n_embd, eps=float(g.arch_key("attention.layer_norm_rms_eps", 1e-6)),
+                      target_hidden=n_embd, eps=float(g.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
                       rope_base=float(g.arch_key("rope.freq_base", 10000.0)), n_ctx=int(g.arch_key("context_length", 4096)))
 
 
