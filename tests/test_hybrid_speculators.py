@@ -18,7 +18,7 @@ from speculant.testing.tiny_gguf import write_tiny_model
 from speculant_eagle3.testing import write_random_head
 
 ARCHS = ("lfm2", "qwen35")
-SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "suffix", "draft-simple", "draft-simple:qwen2", "eagle3")
+SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "suffix", "draft-simple", "draft-simple:qwen2", "eagle3")
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -484,16 +484,14 @@ class Qwen35Model(DecoderModel):
             scan = self._scan(native_scan)
             out[a:b] = scan(s, q, k, v, decay[a:b], beta[a:b], scale)
             if keep:
-                # Row j's state, when a verification keeps rows up to j: the conv window is a copy
-                # of [state | inputs]; the DeltaNet state (hv x dv x dk floats, 19 MiB a row over
-                # a 0.8B's layers) is not copied per row but recomputed from the state before
+                # Row j's state, when a verification keeps rows up to j, made only then: the conv
+                # window is columns j+1.. of [state | inputs]; the DeltaNet state (hv x dv x dk
+                # floats, 19 MiB a row over a 0.8B's layers) is recomputed from the state before
                 # and this forward's q, k, v, decay, beta: the recurrence alone, no projection.
-                conv_rows = x.unfold(1, c.d_conv - 1, 1)[:, 1:].permute(1, 0, 2).contiguous()
-
-                def row_state(j: int, state=state, q=q, k=k, v=v, d=decay[a:b], bt=beta[a:b], conv_rows=conv_rows, scan=scan):
+                def row_state(j: int, state=state, q=q, k=k, v=v, d=decay[a:b], bt=beta[a:b], x=x, scan=scan):
                     s_j = state.clone()
                     scan(s_j, q[: j + 1], k[: j + 1], v[: j + 1], d[: j + 1], bt[: j + 1], scale)
-                    return [conv_rows[j].clone(), s_j]
+                    return [x[:, j + 1 : j + c.d_conv].contiguous(), s_j]
             cache.write(seq_id, layer, [x[:, n:].contiguous(), s], row_state if keep else None)
         o = norm_fn(self.backend)(out, mx.norm, c.eps) * self._silu(z.view(rows, hv, dk))
         return mx.wout(o.view(rows, c.value_dim))
