@@ -669,7 +669,7 @@ class Engine:
         first_row = seq.n_cached  # the position of this step's first row
         fed_end = seq.n_cached + n_rows  # the state now holds tokens up to here (pending + draft rows)
         kept_end = n_before + n_accepted  # ... of which these are right; the last emitted token is pending
-        if self.recurrent and draft is not None and kept_end < fed_end and seq.saved is None:
+        if self.row_rollback and draft is not None and kept_end < fed_end:
             # The context kept each verification row's state: cut back to the last kept row's.
             self.context.truncate(seq.seq_id, kept_end)
             seq.n_cached = kept_end
