@@ -36,7 +36,7 @@ class _SeqState:
     states: dict[int, list[torch.Tensor]]  # recurrent layer -> its state tensors after `length` tokens
     length: int = 0
     # The last forward: its first row's position, the state before it, and per layer the states
-    # after each of its rows (stacked [rows, ...]), for `truncate` inside it.
+    # after each of its rows (stacked [rows, ...], or a RowStates function), for `truncate` inside it.
     rows_start: int = -1
     before: dict[int, list[torch.Tensor]] = attrs.field(factory=dict)
     rows: dict[int, "list[torch.Tensor] | RowStates"] = attrs.field(factory=dict)
