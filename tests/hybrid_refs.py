@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from pathlib import Path
 
+import torch.nn.functional as F
+
+from speculant import hookimpl
+
 from speculant.engine import Engine, EngineConfig
+from speculant.gguf import dequantize
 from speculant.loader import load_model
+from speculant.plugins import load_registry
 from speculant.testing.tiny_gguf import write_tiny_model
+from speculant_cpu.backend import CpuBackend
 
 REF_DIR = Path(__file__).parent / "data" / "llamacpp-outputs" / "hybrid"
 
@@ -43,3 +51,43 @@ def max_logprob_diff(ref_top: list, our_top: list) -> float:
             if int(t) in m:
                 worst = max(worst, abs(m[int(t)] - lp))
     return worst
+
+
+class F32LinearBackend(CpuBackend):
+    """The CPU backend (native attention, fp16 KV, llama.cpp's norms and rope) with float32
+    linear layers, for F32 files (the CPU backend's own are bf16)."""
+
+    name = "f32-linear"
+
+    def linear(self, weight, bias=None):
+        w = dequantize(weight.data, weight.qtype, weight.shape)
+        b = None if bias is None else self.tensor(bias)
+        return lambda x: F.linear(x, w, b)
+
+
+def registry_with_f32():
+    """The plugin registry with the f32-linear test backend added."""
+    plugin = types.SimpleNamespace(speculant_register_backends=hookimpl(lambda register: register("f32-linear", F32LinearBackend)))
+    return load_registry(extra_plugins=[("test-f32-linear-backend", plugin)])
+
+
+def _incomplete_utf8(text: bytes) -> bool:
+    """llama-server's validate_utf8(text) < len(text): a UTF-8 lead byte among the last four
+    bytes whose character needs more bytes than follow it."""
+    n = len(text)
+    for i in range(1, min(4, n) + 1):
+        c = text[n - i]
+        if ((c & 0xE0) == 0xC0 and i < 2) or ((c & 0xF0) == 0xE0 and i < 3) or ((c & 0xF8) == 0xF0 and i < 4):
+            return True
+    return False
+
+
+def llama_server_steps(tokenizer, tokens: list[int]) -> list[int]:
+    """The generated positions llama-server reports probabilities for: those after which the
+    text so far (control tokens render as nothing) does not end inside a UTF-8 character."""
+    text, steps = b"", []
+    for j, t in enumerate(tokens):
+        text += tokenizer.token_bytes(t, special=False)
+        if not _incomplete_utf8(text):
+            steps.append(j)
+    return steps

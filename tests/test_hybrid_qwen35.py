@@ -27,7 +27,6 @@ are compared in full. K-quant prompts avoid lengths llama-server splits off llam
 from __future__ import annotations
 
 import os
-import types
 
 import attrs
 import pytest
@@ -36,7 +35,6 @@ import torch.nn.functional as F
 
 from speculant import Batch, Draft, HybridCache, ModelFileError, hookimpl
 from speculant.engine import Engine, EngineConfig
-from speculant.gguf import dequantize
 from speculant.loader import load_model
 from speculant.plugins import load_registry
 from speculant.speculator import build_speculators
@@ -45,7 +43,7 @@ from speculant_cpu.backend import CpuBackend
 
 from gguf_edit import T_ARRAY, rewrite, u32, value
 from hybrid_cases import QWEN35_CASES
-from hybrid_refs import max_logprob_diff, reference
+from hybrid_refs import llama_server_steps, registry_with_f32, max_logprob_diff, reference
 
 QUANT_TOL = 1e-5
 F32_TOL = 1e-3
@@ -333,45 +331,6 @@ def test_partial_acceptance_equals_plain_decoding(model_of, variant, config):
 
 
 # --- llama.cpp's greedy output --------------------------------------------------------------------
-class F32LinearBackend(CpuBackend):
-    """The CPU backend (native attention, fp16 KV, llama.cpp's norms, rope and SiLU) with float32
-    linear layers, for F32 files (the CPU backend's own are bf16)."""
-
-    name = "f32-linear"
-
-    def linear(self, weight, bias=None):
-        w = dequantize(weight.data, weight.qtype, weight.shape)
-        b = None if bias is None else self.tensor(bias)
-        return lambda x: F.linear(x, w, b)
-
-
-def _registry_with_f32():
-    plugin = types.SimpleNamespace(speculant_register_backends=hookimpl(lambda register: register("f32-linear", F32LinearBackend)))
-    return load_registry(extra_plugins=[("test-f32-linear-backend", plugin)])
-
-
-def _incomplete_utf8(text: bytes) -> bool:
-    """llama-server's validate_utf8(text) < len(text): a UTF-8 lead byte among the last four
-    bytes whose character needs more bytes than follow it."""
-    n = len(text)
-    for i in range(1, min(4, n) + 1):
-        c = text[n - i]
-        if ((c & 0xE0) == 0xC0 and i < 2) or ((c & 0xF0) == 0xE0 and i < 3) or ((c & 0xF8) == 0xF0 and i < 4):
-            return True
-    return False
-
-
-def llama_server_steps(tokenizer, tokens: list[int]) -> list[int]:
-    """The generated positions llama-server reports probabilities for: those after which the
-    text so far does not end inside a UTF-8 character."""
-    text, steps = b"", []
-    for j, t in enumerate(tokens):
-        text += tokenizer.token_bytes(t, special=False)
-        if not _incomplete_utf8(text):
-            steps.append(j)
-    return steps
-
-
 @pytest.fixture(scope="module")
 def ref_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen35-ref")
@@ -381,7 +340,7 @@ def ref_model(tmp_path_factory):
         if ref["case"] not in cache:
             path = write_tiny_model(os.path.join(d, f"{ref['case']}.gguf"), ref["arch"], **ref["writer"])
             f32 = ref["writer"].get("qtype", "F32") in ("F32", "F16", "BF16")
-            model = (load_model(path, backend="f32-linear", registry=_registry_with_f32(), progress=False) if f32
+            model = (load_model(path, backend="f32-linear", registry=registry_with_f32(), progress=False) if f32
                      else load_model(path, progress=False))
             cache[ref["case"]] = model, (F32_TOL if f32 else QUANT_TOL)
         return cache[ref["case"]]
