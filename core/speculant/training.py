@@ -46,10 +46,11 @@ import torch
 
 from speculant.types import Batch
 
-__all__ = ["ASKS", "LANGS", "SHARD_TOKENS", "TOP_K", "Shards", "bf16_default", "collect", "default_sources", "eog_ids",
+__all__ = ["ASKS", "LANGS", "RECIPES", "SHARD_TOKENS", "add_recipe_arguments", "recipe_options", "TOP_K", "Shards", "bf16_default", "collect", "default_sources", "eog_ids",
            "pieces", "source_files", "split", "target_tensor"]
 
 SHARD_TOKENS = 16384
+RECIPES = ("read", "self")
 TOP_K = 8
 ASKS = ("Show me the source of `{name}`.", "Write `{name}`.", "What does `{name}` contain? Show the code.",
         "Print the next part of `{name}`.", "Give me the code of `{name}`, as it is.")
@@ -132,19 +133,31 @@ def _manifest_layers(manifest: dict) -> list[int]:
 
 
 def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tuple[int, ...], piece_tokens: int = 480,
-            *, top_k: int = TOP_K, tag: dict | None = None, log=print) -> dict:
+            *, top_k: int = TOP_K, tag: dict | None = None, recipe: str = "read", answers: str | None = None,
+            answer_batch: int = 8, answer_tokens: int = 384, log=print) -> dict:
     """Run `target` over the recipe's pieces until `data_dir` holds `n_tokens` rows; resumes.
 
     `layers`: the hidden states to keep, as ``Model.forward(hidden_layers=)`` numbers them (the
     output of layer i; ``target.info.n_layers`` is the final-normed state), concatenated in this
     order. `tag`: what the caller needs the data to be for (JSON values, e.g. EAGLE3's tap ids),
-    kept in the manifest and checked on resume. Returns the manifest."""
+    kept in the manifest and checked on resume. Returns the manifest.
+
+    `recipe`: "read", source files read back as chat turns (:func:`pieces`); "self", the target's
+    own answers to requests built from those files (``speculant.distill``), generated first into
+    `answers` (default ``data_dir/answers.jsonl``; a file several collections can share), with
+    `answer_batch` requests decoding at once and at most `answer_tokens` tokens an answer."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}: one of {', '.join(RECIPES)}")
     directory = Path(data_dir)
     directory.mkdir(parents=True, exist_ok=True)
     manifest_path = directory / "manifest.json"
     tag = dict(tag or {})
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else \
-        {"shards": [], "tokens": 0, "pieces": 0, "layers": list(layers), "top_k": top_k, "sources": globs, **tag}
+        {"shards": [], "tokens": 0, "pieces": 0, "layers": list(layers), "top_k": top_k, "sources": globs, "recipe": recipe,
+         **tag}
+    if manifest.get("recipe", "read") != recipe:
+        raise ValueError(f"{data_dir} holds the {manifest.get('recipe', 'read')!r} recipe's data, this collection wants {recipe!r}: "
+                         "use another data directory")
     if _manifest_layers(manifest) != list(layers):
         raise ValueError(f"{data_dir} holds layers {_manifest_layers(manifest)}, this collection wants {list(layers)}: "
                          "use another data directory")
@@ -160,10 +173,19 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
     files = source_files(globs)
     if not files:
         raise ValueError(f"no source files match {globs}")
+    if recipe == "self":
+        from speculant import distill
+
+        answers = answers or str(directory / "answers.jsonl")
+        manifest["answers"] = answers
+        distill.answer(target, answers, n_tokens, globs, batch=answer_batch, max_tokens=answer_tokens, log=log)
+        docs = distill.documents(answers)
+    else:
+        docs = pieces(files, target.tokenizer, piece_tokens)
     shard = _ShardWriter(directory, len(manifest["shards"]))
     done_pieces, t0, n0 = manifest["pieces"], time.time(), manifest["tokens"]
     context = target.new_context(4096)
-    for k, (path, ids) in enumerate(pieces(files, target.tokenizer, piece_tokens)):
+    for k, (path, ids) in enumerate(docs):
         if k < done_pieces:
             continue
         out = target.forward(Batch.for_sequence(0, 0, ids, logits="all"), context, hidden_layers=wanted)
@@ -191,23 +213,30 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
 
 
 class Shards:
-    """The finished shards of a data directory, memory-mapped: ``shards[i]`` maps "tokens",
-    "hidden", "top_ids", "top_p" and "docs" to arrays; ``layers`` and ``manifest`` as collected."""
+    """The finished shards of one data directory or several (a trainer mixing recipes), memory-
+    mapped: ``shards[i]`` maps "tokens", "hidden", "top_ids", "top_p" and "docs" to arrays;
+    ``layers`` and ``manifest`` as collected (the first directory's manifest). Directories
+    holding other layers or another top-k than the first are refused."""
 
     KEYS = ("tokens", "hidden", "top_ids", "top_p", "docs")
 
-    def __init__(self, data_dir: str):
-        directory = Path(data_dir)
-        manifest = json.loads((directory / "manifest.json").read_text())
+    def __init__(self, data_dir: str | list[str]):
+        dirs = [data_dir] if isinstance(data_dir, (str, os.PathLike)) else list(data_dir)
         self.shards = []
-        for name in manifest["shards"]:
-            d = directory / name
-            files = {k: d / f"{k}.npy" for k in self.KEYS}
-            if not files["hidden"].exists():  # written before this module, by EAGLE3's trainer
-                files["hidden"] = d / "taps.npy"
-            self.shards.append({k: np.load(f, mmap_mode="r") for k, f in files.items()})
-        self.manifest = manifest
-        self.layers = _manifest_layers(manifest)
+        for i, one in enumerate(dirs):
+            directory = Path(one)
+            manifest = json.loads((directory / "manifest.json").read_text())
+            if i == 0:
+                self.manifest, self.layers = manifest, _manifest_layers(manifest)
+            elif (_manifest_layers(manifest), manifest.get("top_k", TOP_K)) != (self.layers, self.manifest.get("top_k", TOP_K)):
+                raise ValueError(f"{one} holds layers {_manifest_layers(manifest)} (top {manifest.get('top_k', TOP_K)}), "
+                                 f"{dirs[0]} layers {self.layers} (top {self.manifest.get('top_k', TOP_K)}): they cannot be mixed")
+            for name in manifest["shards"]:
+                d = directory / name
+                files = {k: d / f"{k}.npy" for k in self.KEYS}
+                if not files["hidden"].exists():  # written before this module, by EAGLE3's trainer
+                    files["hidden"] = d / "taps.npy"
+                self.shards.append({k: np.load(f, mmap_mode="r") for k, f in files.items()})
 
     def documents(self) -> list[tuple[int, int, int]]:
         """(shard, start, end) of every document."""
@@ -248,3 +277,22 @@ def bf16_default() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def add_recipe_arguments(p) -> None:
+    """The data options every trainer shares (beside --data, --source, --tokens)."""
+    p.add_argument("--recipe", choices=RECIPES, default="read",
+                   help="read: source files read back as chat turns (default); self: the target's own greedy answers "
+                        "to requests built from those files (speculant.distill), generated first")
+    p.add_argument("--answers", default=None,
+                   help="with --recipe self: the answers file to write or reuse (default DATA/answers.jsonl); "
+                        "collections for different layers can share one")
+    p.add_argument("--answer-batch", type=int, default=8, help="with --recipe self: requests decoded at once (default 8)")
+    p.add_argument("--answer-tokens", type=int, default=384, help="with --recipe self: tokens an answer at most (default 384)")
+    p.add_argument("--mix", action="append", default=[], metavar="DIR",
+                   help="another data directory, already collected for the same layers, to train on as well (repeatable)")
+
+
+def recipe_options(args) -> dict:
+    """`collect`'s keywords from the options of :func:`add_recipe_arguments`."""
+    return {"recipe": args.recipe, "answers": args.answers, "answer_batch": args.answer_batch, "answer_tokens": args.answer_tokens}

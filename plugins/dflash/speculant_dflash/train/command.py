@@ -12,6 +12,7 @@ import sys
 import time
 
 from speculant.options import int_in
+from speculant.training import add_recipe_arguments, recipe_options
 
 DEFAULT_BLOCK = 8
 
@@ -35,6 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--source", action="append", default=None,
                    help="glob of source files to read (repeatable; default: Python's standard library and the "
                         "installed packages' .py and .h files)")
+    add_recipe_arguments(p)
     p.add_argument("--tokens", type=int_in(64), default=200_000, help="rows of target states to collect (default 200000)")
     p.add_argument("--piece-tokens", type=int_in(32, 4000), default=480, help="tokens per training document (default 480)")
     p.add_argument("--block-size", type=int_in(2, 32), default=DEFAULT_BLOCK,
@@ -87,20 +89,20 @@ def run(args) -> int:
     # The input of tap layer t is the output of layer t - 1 (the layers the target hands out);
     # the tag is EAGLE3's, so a directory it collected for the same taps is the same data.
     manifest = collect(target, args.data, args.tokens, sources, tuple(t - 1 for t in cfg.target_layers), args.piece_tokens,
-                       tag={"taps": list(cfg.target_layers)}, log=log)
+                       tag={"taps": list(cfg.target_layers)}, **recipe_options(args), log=log)
     log(f"data: {manifest['tokens']} tokens, {len(manifest['shards'])} shards in {args.data}")
     del target
     always = sorted(set(eog_ids(args.model)))
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
     net, d2t, acc, tau, done = train(
         cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch, window=args.window,
-        blocks=args.blocks, lr=args.lr, save_every=args.save_every, seed=args.seed, always=always, log=log,
+        blocks=args.blocks, lr=args.lr, save_every=args.save_every, mix=tuple(args.mix), seed=args.seed, always=always, log=log,
         progress=sys.stderr.isatty(), time_limit=remaining,
         bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
     summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "blocks": args.blocks, "block_size": cfg.block_size, "layers": cfg.n_layers, "ffn": cfg.n_ff,
                "held_out_accuracy": [round(a, 4) for a in acc], "held_out_accepted_length": round(tau, 3),
-               "sources": sources, "draft_vocab": len(d2t)}
+               "sources": sources, "recipe": args.recipe, "mix": args.mix, "draft_vocab": len(d2t)}
     write_head(args.output, cfg, net.gguf_weights(), target_path=args.model, d2t=d2t, qtype=args.qtype,
                extra={"speculant.training": json.dumps(summary)})
     log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per block row "

@@ -151,14 +151,14 @@ def evaluate(net, batches: Batches, docs: list, n: int = 16, seed: int = 0) -> t
 
 
 def train(cfg: DFlashConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
-          window: int = 256, blocks: int = 16, lr: float = 6e-4, save_every: int = 100, seed: int = 0,
+          window: int = 256, blocks: int = 16, lr: float = 6e-4, save_every: int = 100, seed: int = 0, mix: tuple = (),
           always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False):
     """Train (or resume) and return (net, d2t, held-out per-row accuracy, held-out mean accepted
     length, steps done). Stops early after `time_limit` seconds with a checkpoint, so a later run
     continues. `bf16`: matmuls in bfloat16 under autocast (weights and optimizer stay float32)."""
     from tqdm import tqdm
 
-    shards = Shards(data_dir)
+    shards = Shards([data_dir, *mix])  # the checkpoint stays in data_dir
     train_docs, held = split(shards.documents())
     ckpt_path = Path(data_dir) / CHECKPOINT
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None

@@ -125,7 +125,7 @@ def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: i
 
 
 def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
-          window: int = 256, steps: int = 3, lr: float = 3e-4, save_every: int = 100, seed: int = 0,
+          window: int = 256, steps: int = 3, lr: float = 3e-4, save_every: int = 100, seed: int = 0, mix: tuple = (),
           always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False):
     """Train (or resume) and return (net, d2t, held-out accuracies, steps done). Stops early
     after `time_limit` seconds with a checkpoint, so a later run continues. `bf16`: matmuls in
@@ -133,7 +133,7 @@ def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str,
     has AVX-512 BF16 or AMX."""
     from tqdm import tqdm
 
-    shards = Shards(data_dir)
+    shards = Shards([data_dir, *mix])  # the checkpoint stays in data_dir
     train_docs, held = split(shards.documents())
     ckpt_path = Path(data_dir) / "ckpt.pt"
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None

@@ -14,6 +14,7 @@ import sys
 import time
 
 from speculant.options import int_in
+from speculant.training import add_recipe_arguments, recipe_options
 
 
 def add_parser(subparsers) -> None:
@@ -25,6 +26,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--source", action="append", default=None,
                    help="glob of source files to read (repeatable; default: Python's standard library and the "
                         "installed packages' .py and .h files)")
+    add_recipe_arguments(p)
     p.add_argument("--tokens", type=int_in(64), default=200_000, help="rows of target states to collect (default 200000)")
     p.add_argument("--piece-tokens", type=int_in(32, 4000), default=480, help="tokens per training document (default 480)")
     p.add_argument("--steps", type=int_in(1), default=2000, help="optimizer steps in all (default 2000)")
@@ -70,18 +72,18 @@ def run(args) -> int:
         raise SpeculantError(f"{args.model}: {target.info.n_layers} layers loaded, the file says {cfg.n_trunk}")
     sources = args.source or default_sources()
     # h: the target's final hidden state after output_norm (what llama.cpp's MTP graphs read)
-    manifest = collect(target, args.data, args.tokens, sources, (target.info.n_layers,), args.piece_tokens, log=log)
+    manifest = collect(target, args.data, args.tokens, sources, (target.info.n_layers,), args.piece_tokens, **recipe_options(args), log=log)
     log(f"data: {manifest['tokens']} tokens, {len(manifest['shards'])} shards in {args.data}")
     del target
     embed, lm_head = target_parts(args.model)
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
     net, vocab, acc, done = train(cfg, embed, lm_head, args.model, args.data, total_steps=args.steps, batch=args.batch,
                            window=args.window, steps=args.unroll, lr=args.lr, n_train_vocab=args.train_vocab,
-                           save_every=args.save_every, seed=args.seed, always=sorted(set(eog_ids(args.model))),
+                           save_every=args.save_every, mix=tuple(args.mix), seed=args.seed, always=sorted(set(eog_ids(args.model))),
                            bias=not cfg.gated, log=log, progress=sys.stderr.isatty(), time_limit=remaining,
                            bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
     summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
-               "held_out_accuracy": [round(a, 4) for a in acc], "sources": sources, "ffn": args.ffn,
+               "held_out_accuracy": [round(a, 4) for a in acc], "sources": sources, "recipe": args.recipe, "mix": args.mix, "ffn": args.ffn,
                "unroll": args.unroll, "train_vocab": args.train_vocab}
     write_sidecar(args.output, args.model, net.gguf_weights(), qtype=args.qtype, draft_vocab=vocab,
                   extra={"speculant.training": json.dumps(summary)})

@@ -155,14 +155,14 @@ def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: i
 
 def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int,
           batch: int = 4, window: int = 256, steps: int = 3, lr: float = 3e-4, n_train_vocab: int = 16384,
-          save_every: int = 100, seed: int = 0, always: list[int] = (), bias: bool = True, log=print,
+          save_every: int = 100, seed: int = 0, mix: tuple = (), always: list[int] = (), bias: bool = True, log=print,
           progress: bool = True, time_limit: float | None = None, bf16: bool = False):
     """Train (or resume) and return (net, training vocabulary or None, held-out accuracies per
     step, steps done). Stops early after `time_limit` seconds with a checkpoint, so a later run
     continues."""
     from tqdm import tqdm
 
-    shards = Shards(data_dir)
+    shards = Shards([data_dir, *mix])  # the checkpoint stays in data_dir
     train_docs, held = split(shards.documents())
     ckpt_path = Path(data_dir) / CKPT
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None

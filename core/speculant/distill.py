@@ -1,0 +1,211 @@
+"""Self-distillation data: the target's own answers to assistant requests built from local files.
+
+A drafter trained on source code read back (``speculant.training``'s default recipe) learns code,
+but at serving time it drafts the target's *answers*: prose around code, code in other languages,
+tables. On those its first-step accuracy fell from 0.54 (held-out read-back text) to 0.42 (the
+EAGLE3 head of issue 18). This module writes what the drafter will meet: requests a coding
+assistant gets, built without downloads from files already on the machine, answered greedily by
+the target itself (temperature 0, as the served benchmarks decode), many at once.
+
+Requests (:func:`requests`), in a fixed pseudo-random order of the same source files:
+
+- code requests over one top-level Python function of a source file (5-60 lines): port it to
+  another language, add type hints or a docstring, write tests, explain it, refactor it, review it;
+- specification requests: "write a <language> program that does this", from a function's
+  docstring summary;
+- data requests over records of the installed distributions' metadata (name, version, summary,
+  license, Python requirement) as JSON or CSV: render them as a Markdown table, CSV, YAML or a
+  list, pick or sort fields.
+
+None of the benchmark workloads, nor text written for them, is among them: they are generic
+assistant tasks over other inputs. :data:`SYSTEMS` holds the system prompts used (or none).
+
+:func:`answer` writes ``answers.jsonl`` (one line per finished request: its index, the prompt ids
+and the answer ids), resumably; :func:`documents` reads it back as whole chat turns for
+``speculant.training.collect(recipe="self")``.
+"""
+from __future__ import annotations
+
+import ast
+import csv
+import hashlib
+import io
+import json
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator
+
+from speculant.training import source_files
+
+__all__ = ["CODE_ASKS", "DATA_ASKS", "SPEC_ASKS", "SYSTEMS", "answer", "documents", "requests"]
+
+LANGUAGES = ("C", "C++", "Rust", "Go", "JavaScript", "Java", "TypeScript")
+SYSTEMS = (None, "You are a helpful assistant.", "You are a careful senior software engineer.",
+           "Answer with code only, no explanations.", "You are a concise assistant for programmers.")
+CODE_ASKS = (
+    "Rewrite this Python function in {lang}.",
+    "Port the following Python code to {lang}. Keep the same behaviour.",
+    "Add type hints to this function and give me the complete result.",
+    "Write pytest tests for this function.",
+    "Explain what this function does, step by step.",
+    "Add a docstring and comments to this function. Output the whole function.",
+    "Refactor this function to be easier to read without changing what it does.",
+    "Review this code: point out bugs or edge cases, then show a corrected version.",
+    "Rename the variables of this function to clearer names and return the full code.",
+)
+SPEC_ASKS = (
+    "Write a {lang} program that does the following: {spec}",
+    "Implement this in {lang}: {spec}",
+    "In Python, write a function `{name}` that does this: {spec}",
+)
+DATA_ASKS = (
+    "Turn this JSON into a Markdown table showing {cols}.",
+    "Convert this JSON list to CSV with a header row and the fields {cols}.",
+    "Write this data as YAML.",
+    "List the {col} of every entry below as a bulleted list.",
+    "Sort these records by {col} and show them as a Markdown table.",
+    "Convert this CSV to a JSON array of objects.",
+)
+FIELDS = ("name", "version", "summary", "license", "requires_python")
+
+
+def _order(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _functions(path: str) -> list[tuple[str, str, str]]:
+    """(name, source, docstring summary) of the file's top-level functions of 5-60 lines."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno:
+            n = node.end_lineno - node.lineno + 1
+            if 5 <= n <= 60:
+                doc = (ast.get_docstring(node) or "").strip().split("\n\n")[0].replace("\n", " ")
+                out.append((node.name, "\n".join(lines[node.lineno - 1 : node.end_lineno]), doc))
+    return out
+
+
+def _records() -> list[dict]:
+    """The installed distributions' metadata, one record each, in a fixed order."""
+    seen, out = set(), []
+    for dist in metadata.distributions():
+        m = dist.metadata
+        name = m.get("Name")
+        if not name or name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        out.append({"name": name, "version": m.get("Version") or "", "summary": (m.get("Summary") or "").strip()[:120],
+                    "license": (m.get("License-Expression") or m.get("License") or "").strip().split("\n")[0][:40],
+                    "requires_python": m.get("Requires-Python") or ""})
+    return sorted(out, key=lambda r: _order(r["name"]))
+
+
+def _data_request(k: int, records: list[dict]) -> str:
+    n = 4 + k % 7
+    start = (k * 7) % max(1, len(records) - n)
+    rows = records[start : start + n]
+    ask = DATA_ASKS[k % len(DATA_ASKS)]
+    cols = [f for i, f in enumerate(FIELDS) if (k >> i) % 2 == 0 or f == "name"][:4]
+    if "CSV to" in ask:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+        w.writeheader()
+        w.writerows({c: r[c] for c in cols} for r in rows)
+        body = buf.getvalue()
+    else:
+        body = json.dumps([{c: r[c] for c in FIELDS if c in cols or k % 3 == 0} for r in rows], indent=None if k % 2 else 1)
+    return ask.format(cols=", ".join(cols), col=cols[(k // 3) % len(cols)]) + "\n" + body
+
+
+def requests(globs: list[str]) -> Iterator[list[dict]]:
+    """Chat requests (messages, without the answer), endlessly varied over the files of `globs`
+    and the installed distributions; the same order on every run and machine with the same files."""
+    records = _records()
+    k = 0
+    for path in source_files(globs):
+        if not path.endswith(".py"):
+            continue
+        for name, code, doc in _functions(path)[:2]:
+            system = SYSTEMS[k % len(SYSTEMS)]
+            lang = LANGUAGES[(k // 3) % len(LANGUAGES)]
+            if k % 5 == 4 and len(doc) > 30:
+                user = SPEC_ASKS[k % len(SPEC_ASKS)].format(lang=lang, spec=doc, name=name)
+            elif k % 5 == 2 and records:
+                user = _data_request(k, records)
+            else:
+                user = CODE_ASKS[k % len(CODE_ASKS)].format(lang=lang) + f"\n```python\n{code}\n```"
+            k += 1
+            yield ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def _done(path: Path) -> tuple[set[int], int]:
+    """Indices already answered in `path` and the tokens they hold; a torn last line is dropped."""
+    done, tokens = set(), 0
+    if path.exists():
+        good = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            good.append(line)
+            done.add(row["index"])
+            tokens += len(row["prompt"]) + len(row["answer"])
+        path.write_text("".join(f"{g}\n" for g in good))
+    return done, tokens
+
+
+def answer(target, path: str, n_tokens: int, globs: list[str], *, batch: int = 8, max_tokens: int = 384,
+           max_prompt: int = 1536, log=print) -> int:
+    """Append the target's greedy answers to `path` until its documents (prompt + answer) hold
+    `n_tokens` tokens; `batch` requests decode at once. Resumes. Returns the tokens held."""
+    from speculant.engine import Engine, EngineConfig
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done, tokens = _done(out)
+    if tokens >= n_tokens:
+        return tokens
+    engine = Engine(target, EngineConfig(n_ctx=max_prompt + max_tokens + 8, spec_deadline=None))
+    stream = ((i, m) for i, m in enumerate(requests(globs)) if i not in done)
+    running, t0, made, n_docs = {}, time.time(), 0, len(done)
+    with out.open("a") as f:
+        while tokens < n_tokens or running:
+            while tokens < n_tokens and len(running) < batch:
+                item = next(stream, None)
+                if item is None:
+                    break
+                i, messages = item
+                ids = target.tokenizer.encode_chat(messages)
+                if len(ids) <= max_prompt:
+                    running[engine.add(ids, max_tokens).seq_id] = i
+            if not running:
+                break
+            engine.step()
+            for seq in [s for s in engine.sequences.values() if s.finish_reason is not None and s.seq_id in running]:
+                answer_ids = seq.tokens[seq.n_prompt:]
+                f.write(json.dumps({"index": running.pop(seq.seq_id), "prompt": seq.tokens[: seq.n_prompt],
+                                    "answer": answer_ids, "finish": seq.finish_reason}) + "\n")
+                f.flush()
+                tokens += len(seq.tokens)
+                made += len(answer_ids)
+                n_docs += 1
+                engine.release(seq)
+                if n_docs % 25 == 0:
+                    log(f"answer: {tokens} tokens in {n_docs} documents ({made / (time.time() - t0):.0f} answer tokens/s)")
+    return tokens
+
+
+def documents(path: str) -> Iterator[tuple[str, list[int]]]:
+    """("answers.jsonl:<index>", prompt + answer ids) for each answered request, in file order."""
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            yield f"{path}:{row['index']}", row["prompt"] + row["answer"]

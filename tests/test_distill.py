@@ -1,0 +1,104 @@
+"""Self-distillation data (speculant.distill) and the recipes of speculant.training: requests
+built from local files, the target's greedy answers written resumably, shards collected over
+them, and trainers mixing data directories."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speculant import load_model
+from speculant.distill import answer, documents, requests
+from speculant.engine import Engine, EngineConfig
+from speculant.testing.tiny_gguf import write_tiny_model
+from speculant.training import Shards, collect
+
+SOURCES = ["core/speculant/*.py", "plugins/*/speculant_*/*.py"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.set_num_threads(1)
+    path = write_tiny_model(tmp_path_factory.mktemp("distill") / "qwen2.gguf", "qwen2", n_layers=2, n_embd=64, n_ctx=4096)
+    return load_model(str(path))
+
+
+def test_requests_are_varied_deterministic_and_not_the_workloads():
+    first = [m for _, m in zip(range(120), requests(SOURCES))]
+    again = [m for _, m in zip(range(120), requests(SOURCES))]
+    assert first == again
+    users = [m[-1]["content"] for m in first]
+    assert all(m[-1]["role"] == "user" for m in first)
+    kinds = {"code": sum("```python" in u for u in users), "spec": sum(u.startswith(("Write a", "Implement", "In Python")) for u in users),
+             "data": sum(u.split("\n")[0].endswith(("table.", ".", "list.")) and ("{" in u or "," in u.split("\n", 1)[-1]) and "```" not in u
+                         for u in users)}
+    assert all(v > 5 for v in kinds.values()), kinds
+    assert len({m[0]["content"] for m in first if m[0]["role"] == "system"}) >= 3
+    # Never the benchmark workloads: none of their requests' text is in ours.
+    workloads = json.load(open("tests/data/workloads-public.json"))
+    for w in workloads if isinstance(workloads, list) else workloads["workloads"]:
+        text = w["messages"][-1]["content"][:80]
+        assert not any(text in u for u in users)
+
+
+def test_answers_are_the_targets_greedy_answers_and_resume(tiny, tmp_path):
+    path = tmp_path / "answers.jsonl"
+    held = answer(tiny, str(path), 600, SOURCES, batch=3, max_tokens=12, max_prompt=400, log=lambda m: None)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert held >= 600 and held == sum(len(r["prompt"]) + len(r["answer"]) for r in rows)
+    # Batched answers are each request's own greedy answer, decoded alone.
+    for r in rows[:3]:
+        alone = Engine(tiny, EngineConfig(n_ctx=512, spec_deadline=None))
+        assert list(alone.generate(r["prompt"], 12)) == r["answer"]
+    # A torn last line is dropped and the request answered again; more tokens resume after.
+    path.write_text(path.read_text() + '{"index": 99, "prom')
+    more = answer(tiny, str(path), 1200, SOURCES, batch=3, max_tokens=12, max_prompt=400, log=lambda m: None)
+    rows2 = [json.loads(line) for line in path.read_text().splitlines()]
+    assert more >= 1200 and rows2[: len(rows)] == rows
+    indices = [r["index"] for r in rows2]
+    assert len(indices) == len(set(indices))
+    assert [ids for _, ids in documents(str(path))] == [r["prompt"] + r["answer"] for r in rows2]
+
+
+def test_collect_self_recipe_and_mixing(tiny, tmp_path):
+    n = tiny.info.n_layers
+    quiet = lambda m: None
+    self_dir, read_dir = tmp_path / "self", tmp_path / "read"
+    m = collect(tiny, str(self_dir), 800, SOURCES, (n,), recipe="self", answer_batch=4, answer_tokens=16, log=quiet)
+    assert m["recipe"] == "self" and m["tokens"] >= 800
+    answers = [ids for _, ids in documents(m["answers"])]
+    shards = Shards(str(self_dir))
+    s = shards.shards[0]
+    assert s["tokens"][: len(answers[0])].tolist() == answers[0]  # the rows are the answered chat turns
+    # The same directory refuses the other recipe; another one mixes with it in training.
+    with pytest.raises(ValueError, match="recipe"):
+        collect(tiny, str(self_dir), 1600, SOURCES, (n,), recipe="read", log=quiet)
+    collect(tiny, str(read_dir), 500, SOURCES, (n,), piece_tokens=100, log=quiet)
+    both = Shards([str(self_dir), str(read_dir)])
+    assert len(both.documents()) == len(Shards(str(self_dir)).documents()) + len(Shards(str(read_dir)).documents())
+    other = tmp_path / "other"
+    collect(tiny, str(other), 300, SOURCES, (n - 1,), piece_tokens=100, log=quiet)
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        Shards([str(self_dir), str(other)])
+
+
+def test_train_mtp_on_its_own_answers_mixed_with_read_data(tmp_path):
+    """`speculant train mtp --recipe self --mix DIR`: answers, shards, a sidecar whose summary
+    names the recipe and the mix."""
+    from speculant.cli import main
+    from speculant.gguf import open_gguf
+
+    torch.set_num_threads(1)
+    model = write_tiny_model(tmp_path / "qwen2.gguf", "qwen2", n_layers=2, n_embd=64, n_ctx=2048)
+    common = ["-m", str(model), "--source", SOURCES[0], "--batch", "2", "--window", "32", "--ffn", "32", "--steps", "4",
+              "--save-every", "2", "--qtype", "F32", "--precision", "fp32", "--train-vocab", "100"]
+    read_dir = tmp_path / "read"
+    assert main(["train", "mtp", "-o", str(tmp_path / "a.gguf"), "--data", str(read_dir), "--tokens", "400",
+                 "--piece-tokens", "100", *common]) == 0
+    out = tmp_path / "mtp.gguf"
+    assert main(["train", "mtp", "-o", str(out), "--data", str(tmp_path / "self"), "--tokens", "600", "--recipe", "self",
+                 "--answer-tokens", "16", "--answer-batch", "4", "--mix", str(read_dir), *common]) == 0
+    summary = json.loads(open_gguf(str(out)).metadata["speculant.training"])
+    assert summary["recipe"] == "self" and summary["mix"] == [str(read_dir)]
+    assert (tmp_path / "self" / "answers.jsonl").exists()
