@@ -324,27 +324,33 @@ def random_k_quant_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype,n,k", K_SHAPES)
-def test_prompt_arithmetic_is_the_same_on_both_paths(qtype, n, k, amx_min_rows):
-    """spk_linear_mode 1 (llama.cpp's prompt arithmetic): the AMX kernel gives the VNNI kernels'
-    bits for every row count (partial groups of 16 included), on random blocks with extreme scales,
-    and for prompt rows mixed with decode rows in one spk_linear_prompt call."""
+def test_prompt_arithmetic_is_the_same_on_every_path(qtype, n, k, amx_min_rows, tiled_min_rows):
+    """spk_linear_mode 1 (llama.cpp's prompt arithmetic): the AMX kernel and the tiled VNNI kernels
+    give the per-row VNNI kernels' bits for every row count (partial groups of 16 included), on
+    random blocks with extreme scales, and for prompt rows mixed with decode rows in one
+    spk_linear_prompt call."""
     rng = np.random.default_rng(n + k + int(qtype))
     raw = random_k_quant_blocks(qtype, n, k, rng)
     _, x = k_quant_case(qtype, n, k)
     x[12] = -2.0  # every value quantizes to -127: the largest sums
     x[13] = np.abs(x[13]) * 5
     amx_min_rows(0)
+    tiled_min_rows(0)
     alone = torch.cat([run_mode(raw, qtype, n, k, x[i : i + 1], 1) for i in range(len(x))])
     emulate = llamacpp_q4k if qtype == Q.Q4_K else llamacpp_q6k
     assert torch.equal(alone, torch.from_numpy(emulate(raw, n, k, x, True)))
     decode = run(raw, qtype, n, k, x)
     amx = 2 if lib.spk_amx_available() else 1
-    for threshold in (1, 5):  # always AMX, the default split
-        amx_min_rows(threshold)
+    twice = 2 if qtype == Q.Q6_K else 1  # Q6_K takes the tiled kernels from twice the rows
+    # always AMX, the default AMX split; then without AMX: tiled from 1 row, from 4 (Q6_K 8)
+    for amx_from, tiled_from in ((1, 0), (5, 0), (0, 1), (0, 4)):
+        amx_min_rows(amx_from)
+        tiled_min_rows(tiled_from)
         for m in (1, 2, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 45, 48, 63, 64, 65, 70):
             got = run_mode(raw, qtype, n, k, x[:m], 1)
-            assert lib.spk_last_path() == (amx if m >= threshold else 1)
-            assert torch.equal(got, alone[:m]), f"{m} rows, AMX from {threshold} rows"
+            path = amx if amx_from and m >= amx_from else tiled_path() if tiled_from and m >= twice * tiled_from else 1
+            assert lib.spk_last_path() == path, f"{m} rows"
+            assert torch.equal(got, alone[:m]), f"{m} rows, AMX from {amx_from} rows, tiled from {tiled_from}"
         assert torch.equal(run_mode(raw, qtype, n, k, x[21:66], 1), alone[21:66])  # rows at another offset
         bit = 1 if qtype == Q.Q4_K else 2
         kinds = np.zeros(len(x), np.uint8)

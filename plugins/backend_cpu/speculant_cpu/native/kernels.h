@@ -109,8 +109,9 @@ Pool& pool();
 extern std::mutex g_call_mu;  // one matmul at a time: the pool and the activation buffer are shared
 
 // tiled.cpp (AVX-512 builds): weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX)
-// in the AMX layout, on VNNI (Q4_K decode arithmetic, Q6_K canonical).
-void linear_tiled(int qtype, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
+// in the AMX layout, on VNNI (Q4_K in decode arithmetic, Q6_K canonical; `prompt`: both in
+// llama.cpp's prompt arithmetic).
+void linear_tiled(int qtype, bool prompt, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
                   int64_t i1, float* y, int64_t ldy);
 
 #ifdef SPK_AMX

@@ -134,7 +134,9 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     // used, and the output head (k = 1536, 191 MB of Q6_K) at 8 rows took 13.9 ms tiled against
     // 8.0 on the per-row kernels (even at 16 rows; its FFN matrices, k = 8960, gain from 8).
     const int tiled_from = qtype == T_Q6_K ? 2 * g_tiled_min_rows : g_tiled_min_rows;
-    const bool tiled = SPK_AVX512 && !amx && ((qtype == T_Q4_K && mode == LLAMA_DECODE) || canon) && g_tiled_min_rows > 0 && m >= tiled_from;
+    // Every Q4_K mode, and Q6_K's forms with one integer sum per block (as AMX).
+    const bool tiled = SPK_AVX512 && !amx && (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_tiled_min_rows > 0 &&
+                       m >= tiled_from;
     g_last_path = amx ? 2 : tiled ? 3 : 1;
     Act& a = g_act;
     a.nb = nb;
@@ -204,7 +206,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         if (tiled) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
             const int64_t g0 = a0 / 16;
             const int ng = (int)((a1 - a0 + 15) / 16);
-            linear_tiled(qtype, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n);
+            linear_tiled(qtype, prompt, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n);
             return;
         }
 #endif
