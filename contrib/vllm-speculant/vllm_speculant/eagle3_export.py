@@ -1,0 +1,172 @@
+"""An EAGLE3 head in llama.cpp's GGUF layout (what `speculant train eagle3` writes) as the HF
+checkpoint directory vLLM's built-in `eagle3` method loads:
+
+    speculative_config={"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}
+
+The target layout, from vLLM 0.33.0's source:
+
+* config.json: `architectures: ["LlamaForCausalLMEagle3"]` (model_executor/models/registry.py:702
+  -> llama_eagle3.Eagle3LlamaForCausalLM), a llama config of one layer (num_hidden_layers 1),
+  `draft_vocab_size`, `target_hidden_size`, `norm_before_residual`, `norm_before_fc`, and
+  `eagle_config.eagle_aux_hidden_state_layer_ids`: the target layers tapped, read by
+  worker/gpu_model_runner.py:5207-5219. vLLM's id L is the residual stream entering layer L
+  (interfaces.py:1640-1650, qwen2.py:424-434), which is what our `eagle3.target_layers` holds.
+* weights (llama_eagle3.py:402-470, load_weights): `midlayer.*` (mapped to layers.0), `fc`,
+  `norm`, `lm_head`, optional `embed_tokens` (else the target's are shared,
+  v1/spec_decode/llm_base_proposer.py:1418-1558, as speculant borrows them), `input_norm` when
+  norm_before_fc, and `d2t` as an *offset*: target id = draft id + d2t[draft id]
+  (compute_logits, llama_eagle3.py:369-384). Our d2t holds the absolute target id.
+  `t2d` (a bool mask over the target vocabulary, EAGLE3's own format) is written too; vLLM
+  skips it.
+* the decoder layer (llama_eagle3.py:73-153): q/k/v read cat(input_layernorm(embed),
+  hidden_norm(g)), the residual is g (or the normed g with norm_before_residual), then the llama
+  MLP; the same as llama.cpp's graph.
+* RoPE: vLLM's LlamaAttention is NeoX-style (rotate-half, llama.py:241); llama.cpp's eagle3 uses
+  the original pairing on q/k rows that its converter permuted from HF's order. So q and k rows
+  go back to HF order here (the inverse of that permutation).
+
+Weights are dequantized from any GGUF type and written as `dtype` (bfloat16 by default, as EAGLE3
+checkpoints are; vLLM casts to the target's dtype on load).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speculant import ModelFileError, SpeculantError
+from speculant.logs import get_logger
+
+log = get_logger(__name__)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# llama.cpp eagle3 tensor -> vLLM/HF EAGLE3 checkpoint name
+NAMES = {
+    "fc.weight": "fc.weight",
+    "enc.output_norm.weight": "input_norm.weight",
+    "blk.0.attn_norm.weight": "midlayer.input_layernorm.weight",
+    "blk.0.attn_norm_2.weight": "midlayer.hidden_norm.weight",
+    "blk.0.attn_q.weight": "midlayer.self_attn.q_proj.weight",
+    "blk.0.attn_k.weight": "midlayer.self_attn.k_proj.weight",
+    "blk.0.attn_v.weight": "midlayer.self_attn.v_proj.weight",
+    "blk.0.attn_output.weight": "midlayer.self_attn.o_proj.weight",
+    "blk.0.ffn_norm.weight": "midlayer.post_attention_layernorm.weight",
+    "blk.0.ffn_gate.weight": "midlayer.mlp.gate_proj.weight",
+    "blk.0.ffn_up.weight": "midlayer.mlp.up_proj.weight",
+    "blk.0.ffn_down.weight": "midlayer.mlp.down_proj.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "token_embd.weight": "embed_tokens.weight",
+}
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter orders each head's q/k rows as pairs (2i, 2i+1) = HF rows
+    (i, i + head_dim/2); this puts them back in HF order, for rotate-half RoPE."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def config_json(cfg, dtype: str) -> dict:
+    """The checkpoint's config.json from the head's hyperparameters (speculant_eagle3.layout.HeadConfig)."""
+    eagle = {"eagle_aux_hidden_state_layer_ids": [int(x) for x in cfg.target_layers], "use_aux_hidden_state": True,
+             "norm_before_fc": bool(cfg.norm_before_fc)}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.n_ff,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.eps,
+        # both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters (vLLM's get_rope)
+        "rope_theta": cfg.rope_base,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "max_position_embeddings": cfg.n_ctx,
+        "vocab_size": cfg.n_target_vocab,
+        "draft_vocab_size": cfg.n_draft_vocab,
+        "target_hidden_size": cfg.target_hidden,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "norm_before_residual": bool(cfg.norm_before_residual),
+        "norm_before_fc": bool(cfg.norm_before_fc),
+        "eagle_config": eagle,
+        "torch_dtype": dtype,
+    }
+
+
+def state_dict(gguf, cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, dequantized from the head's GGUF."""
+    from speculant.gguf import dequantize
+
+    out: dict[str, torch.Tensor] = {}
+    for src, dst in NAMES.items():
+        info = gguf.tensors.get(src)
+        if info is None:
+            continue  # the optional ones (checked by the loader below); vLLM shares the target's
+        w = dequantize(info.data, info.qtype, tuple(info.shape))
+        if src == "blk.0.attn_q.weight":
+            w = unpermute_rope_rows(w, cfg.n_head)
+        elif src == "blk.0.attn_k.weight":
+            w = unpermute_rope_rows(w, cfg.n_kv_head)
+        out[dst] = w.to(dtype).contiguous()
+    if not cfg.norm_before_fc:
+        out.pop("input_norm.weight", None)  # unused by the head: vLLM drops it too
+    d2t = gguf.tensors.get("d2t")
+    if d2t is not None and cfg.n_draft_vocab != cfg.n_target_vocab:
+        absolute = torch.from_numpy(np.asarray(d2t.data, dtype=np.int64).reshape(-1).copy())
+        out["d2t"] = absolute - torch.arange(len(absolute), dtype=torch.int64)
+        t2d = torch.zeros(cfg.n_target_vocab, dtype=torch.bool)
+        t2d[absolute] = True
+        out["t2d"] = t2d
+    elif "lm_head.weight" in out and cfg.n_draft_vocab != cfg.n_target_vocab:
+        raise ModelFileError(f"{gguf.path}: a reduced lm_head ({cfg.n_draft_vocab} rows) without 'd2t'")
+    if "lm_head.weight" not in out and cfg.n_draft_vocab != cfg.n_target_vocab:
+        raise ModelFileError(f"{gguf.path}: 'd2t' without the head's own lm_head: vLLM would share the target's "
+                             f"full one, {cfg.n_target_vocab} rows, not {cfg.n_draft_vocab}")
+    return out
+
+
+def export(head_path: str, out_dir: str, dtype: str = "bfloat16") -> Path:
+    """Write `out_dir`/config.json and model.safetensors for the head at `head_path`; returns the directory."""
+    from safetensors.torch import save_file
+
+    from speculant.gguf import open_gguf
+
+    if dtype not in DTYPES:
+        raise SpeculantError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    gguf = open_gguf(head_path)
+    arch = gguf.architecture
+    if arch != "eagle3":
+        kind = "dflash" if arch == "dflash" else "mtp" if gguf.arch_key("nextn_predict_layers") else None
+        why = WHY_NOT[kind] if kind else "not an EAGLE3 head (general.architecture 'eagle3')"
+        raise SpeculantError(f"{head_path}: architecture '{arch}': {why}")
+    from speculant_eagle3.layout import read_config  # the layout's one reader (speculant's eagle3 plugin)
+
+    cfg = read_config(gguf)
+    tensors = state_dict(gguf, cfg, DTYPES[dtype])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_json(cfg, dtype), indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": Path(head_path).name})
+    log.info("exported EAGLE3 head for vLLM", head=head_path, out=str(out), dtype=dtype,
+             tensors=len(tensors), draft_vocab=cfg.n_draft_vocab, target_layers=list(cfg.target_layers))
+    return out
+
+
+# Why the other hidden-state drafters are not exported (see README, "What is not exported").
+WHY_NOT = {
+    "dflash": "a DFlash drafter, not exported yet: vLLM's dflash method loads Qwen3-style DFlash drafters "
+              "(qwen3_dflash.py); mapping llama.cpp's dflash layout onto it is not done",
+    "mtp": "an MTP sidecar: vLLM has no MTP drafter for the targets speculant trains sidecars for (qwen2, llama); "
+           "a Qwen3.5 target's own block is in its HF checkpoint, which vLLM's mtp method uses directly",
+}
