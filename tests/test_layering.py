@@ -17,6 +17,7 @@ PACKAGES = {  # import name -> its folder
     "speculant_eagle3": "plugins/eagle3/speculant_eagle3",
     "speculant_mtp": "plugins/mtp/speculant_mtp",
     "speculant_suffix": "contrib/speculant-suffix/speculant_suffix",
+    "vllm_speculant": "contrib/vllm-speculant/vllm_speculant",
 }
 
 
