@@ -232,3 +232,13 @@ def test_a_failing_speculator_costs_only_its_sequences():
     assert chain.propose(reqs)[1] is None  # off for good, until the sequence ends
     chain.end(1)
     assert chain.off == set()
+
+
+def test_imports_without_vllm():
+    """vLLM is an optional extra: the package, the proposer and the exporter never import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vllm_speculant, vllm_speculant.plugin, vllm_speculant.eagle3_export, vllm_speculant.command; "
+            "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

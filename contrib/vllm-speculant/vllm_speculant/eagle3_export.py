@@ -71,6 +71,11 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _f32(x: float) -> float:
+    """A float32 read from the GGUF, written as its shortest decimal (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(x)))
+
+
 def config_json(cfg, dtype: str) -> dict:
     """The checkpoint's config.json from the head's hyperparameters (speculant_eagle3.layout.HeadConfig)."""
     eagle = {"eagle_aux_hidden_state_layer_ids": [int(x) for x in cfg.target_layers], "use_aux_hidden_state": True,
@@ -85,11 +90,11 @@ def config_json(cfg, dtype: str) -> dict:
         "head_dim": cfg.head_dim,
         "num_hidden_layers": 1,
         "hidden_act": "silu",
-        "rms_norm_eps": cfg.eps,
+        "rms_norm_eps": _f32(cfg.eps),
         # both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters (vLLM's get_rope)
-        "rope_theta": cfg.rope_base,
+        "rope_theta": _f32(cfg.rope_base),
         "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "rope_parameters": {"rope_type": "default", "rope_theta": _f32(cfg.rope_base)},
         "max_position_embeddings": cfg.n_ctx,
         "vocab_size": cfg.n_target_vocab,
         "draft_vocab_size": cfg.n_draft_vocab,
