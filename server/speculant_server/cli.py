@@ -68,6 +68,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "if more than this fraction of it; else to the least recently used slot (default 0.1)")
     g.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="folder for /slots/ID?action=save|restore files (default: those actions are off)")
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'speculant[ray]'; docs/serving-ray.md)")
+    g.add_argument("--ray", action="store_true",
+                   help="serve through N Ray Serve replicas of the engine behind one endpoint on --host:--port; a "
+                        "conversation's requests go to the replica that holds its prompt cache")
+    g.add_argument("--ray-replicas", type=int_in(1, 1024), default=2, metavar="N", help="replicas (default 2)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="Ray cluster to join (default: $RAY_ADDRESS, else a local cluster on this machine)")
+    g.add_argument("--ray-cpus-per-replica", type=float_where("a number > 0", lambda v: 0 < v < float("inf")), default=None,
+                   metavar="N", help="Ray CPUs each replica reserves (default: -t, else this machine's cores / replicas, "
+                                     "which is also each replica's -t then)")
+    g.add_argument("--ray-max-ongoing", type=int_in(1), default=None, metavar="N",
+                   help="requests a replica takes at once; beyond that the router sends even a known conversation to "
+                        "the least loaded replica (default 2 x -np)")
+    g.add_argument("--ray-retries", type=int_in(0, 10), default=1, metavar="N",
+                   help="times a request whose replica died before answering is sent to another (default 1)")
     add_sampling_args(p)
     add_spec_args(p)
 
@@ -101,34 +116,23 @@ def slot_folder(path: str) -> str:
     return folder
 
 
-def cmd_serve(args) -> int:
-    from aiohttp import web
-
+def build_server(args):
+    """The model, engine and app that `args` (serve's flags) describe: what `speculant serve`
+    listens with, and what each Ray Serve replica runs (ray_replica.py). Returns the app and the
+    engine's config; a bad model, draft or spec type raises SpeculantError."""
     from speculant.flags import engine_setup, load
     from speculant.engine import Engine
-    from speculant.logs import get_logger
     from speculant.sampling import SamplingParams
-    from speculant.speculator import parse_spec_types
 
-    from speculant_server.app import SHUTDOWN_FLUSH, STATE, ServerConfig, create_app
+    from speculant_server.app import ServerConfig, create_app
     from speculant_server.protocol import Defaults, Limits
 
-    parse_spec_types(args.spec_type)  # an unknown spec type fails before the model loads
-    try:  # a taken port fails before the model loads too
-        with socket.create_server((args.host, args.port)) if args.port else socket.socket():
-            pass
-    except OSError as e:
-        raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     slot_save_path = slot_folder(args.slot_save_path) if args.slot_save_path else None
-
     model = load(args)
     config, speculators = engine_setup(args, model)  # a missing or incompatible draft model fails here
-    configure_logging(args.log_format)  # only now: the checks above fail in one plain line
-    log = get_logger("speculant.server")
     engine = Engine(model, config, speculators)
-    keys = tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip())
     defaults = Defaults(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed), args.n_predict)
-    server_config = ServerConfig(n_slots=args.parallel, queue_size=args.queue_size, api_keys=keys, alias=args.alias,
+    server_config = ServerConfig(n_slots=args.parallel, queue_size=args.queue_size, api_keys=api_keys(args), alias=args.alias,
                                  max_body_size=args.max_body_size, defaults=defaults, draft_model=args.spec_draft_model,
                                  cache_ram=None if args.cache_ram < 0 else args.cache_ram << 20,
                                  slot_similarity=args.slot_prompt_similarity, slot_save_path=slot_save_path,
@@ -136,7 +140,37 @@ def cmd_serve(args) -> int:
                                                args.max_stop_length, args.max_n),
                                  special_in_content=args.special_in_content, body_timeout=args.timeout_body,
                                  keepalive_timeout=args.timeout_keep_alive, shutdown_timeout=args.shutdown_timeout)
-    app = create_app(engine, server_config)
+    return create_app(engine, server_config), config
+
+
+def api_keys(args) -> tuple[str, ...]:
+    return tuple(k.strip() for k in (args.api_key or "").split(",") if k.strip())
+
+
+def cmd_serve(args) -> int:
+    if getattr(args, "ray", False):  # replicas on Ray Serve: its own module, Ray imported only there
+        from speculant_server.ray_app import cmd_serve_ray
+
+        return cmd_serve_ray(args)
+
+    from aiohttp import web
+
+    from speculant.logs import get_logger
+    from speculant.speculator import parse_spec_types
+
+    from speculant_server.app import SHUTDOWN_FLUSH, STATE
+
+    parse_spec_types(args.spec_type)  # an unknown spec type fails before the model loads
+    try:  # a taken port fails before the model loads too
+        with socket.create_server((args.host, args.port)) if args.port else socket.socket():
+            pass
+    except OSError as e:
+        raise SpeculantError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+    app, config = build_server(args)
+    configure_logging(args.log_format)  # only now: the checks above fail in one plain line
+    log = get_logger("speculant.server")
+    keys = api_keys(args)
     worker = app[STATE].worker
     # A dead engine thread cannot be brought back in the process: stop, so that a supervisor
     # (systemd, Kubernetes) restarts the server; its in-flight requests have had their error.

@@ -1,0 +1,226 @@
+"""`speculant serve --ray` on a local Ray cluster on this machine: two engine replicas of the tiny
+model, one thread each, behind the ingress. A conversation stays on its replica (its prompt cache
+is hit), streams and errors come through as from one server, /metrics adds the replicas up, and a
+replica killed under requests comes back with no request lost or answered twice.
+
+One cluster for the module (about 25 s to start on two cores); it is shut down at the end and no
+Ray process may outlive it."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the [ray] extra (in [dev]) is not installed")
+
+from speculant.flags import OneLineParser  # noqa: E402
+from speculant.testing.tiny_gguf import write_tiny_model  # noqa: E402
+from speculant_server.cli import add_serve_args  # noqa: E402
+from speculant_server.ray_ingress import REPLICA_HEADER  # noqa: E402
+
+TIMEOUT = 60
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    from speculant_server import ray_app
+
+    model = write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2.gguf", "qwen2")
+    parser = OneLineParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["-m", str(model), "--ray", "--ray-replicas", "2", "-t", "1", "-np", "2", "-c", "1024",
+                              "--port", "0", "--max-body-size", "100000", "--shutdown-timeout", "2"])
+    url, started = ray_app.deploy(args)
+    assert started
+    try:
+        yield url
+    finally:
+        before = descendants(os.getpid())
+        ray_app.shutdown(started)
+        deadline = time.time() + 20
+        while time.time() < deadline and any(alive(p) for p in before):
+            time.sleep(0.2)
+        left = [p for p in before if alive(p)]
+        assert not left, f"Ray processes left behind: {left}"
+
+
+def call(url, path, body=None, headers=None, raw: bytes | None = None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def chat(url, messages, **extra):
+    status, headers, body = call(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, **extra})
+    assert status == 200, body
+    return json.loads(body), headers[REPLICA_HEADER]
+
+
+def metric(url, name, labels="") -> float:
+    _, _, text = call(url, "/metrics")
+    line = next(line for line in text.decode().splitlines() if line.startswith(name + labels + " "))
+    return float(line.split()[-1])
+
+
+def conversation(url, i, turns=3):
+    """Turns of one conversation: (replica, cached prompt tokens) per turn."""
+    messages = [{"role": "system", "content": "You write short programs."},
+                {"role": "user", "content": f"conversation {i}: write a loop that counts to {i + 3}"}]
+    out = []
+    for t in range(turns):
+        answer, replica = chat(url, messages)
+        out.append((replica, answer["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        messages += [answer["choices"][0]["message"], {"role": "user", "content": f"and now step {t}"}]
+    return out
+
+
+def test_a_conversation_stays_on_its_replica(endpoint):
+    hits = metric(endpoint, "speculant:ray_routed_total", '{outcome="hit"}')
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda i: conversation(endpoint, i), range(4)))
+    for run in runs:
+        assert len({replica for replica, _ in run}) == 1, run  # every turn on the replica of the first
+        assert all(cached > 0 for _, cached in run[1:]), run  # and its prompt cache took the earlier turns
+    assert len({run[0][0] for run in runs}) == 2  # new conversations went to the less loaded replica
+    assert metric(endpoint, "speculant:ray_routed_total", '{outcome="hit"}') - hits == 8
+
+
+def test_explicit_session_pins_unrelated_requests(endpoint):
+    seen = {chat(endpoint, [{"role": "user", "content": f"question {i}"}], user="alice")[1] for i in range(3)}
+    assert len(seen) == 1
+    _, _, _ = call(endpoint, "/v1/completions", {"prompt": "a", "max_tokens": 2}, headers={"x-session-id": "s"})
+    statuses = {call(endpoint, "/v1/completions", {"prompt": f"b{i}", "max_tokens": 2}, headers={"x-session-id": "s"})[1][REPLICA_HEADER]
+                for i in range(3)}
+    assert len(statuses) == 1
+
+
+def test_streaming_comes_through_as_sse(endpoint):
+    messages = [{"role": "user", "content": "stream me a short poem about loops"}]
+    whole, replica = chat(endpoint, messages, user="streamer")
+    status, headers, body = call(endpoint, "/v1/chat/completions",
+                                 {"messages": messages, "max_tokens": 8, "stream": True, "user": "streamer"})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert headers[REPLICA_HEADER] == replica
+    events = [line[6:] for line in body.decode().split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]  # greedy: the same answer, streamed
+    assert [c["choices"][0]["finish_reason"] for c in chunks].count(None) == len(chunks) - 1
+
+
+def test_errors_keep_openai_shape(endpoint):
+    def error(status, body):
+        err = json.loads(body)["error"]
+        assert set(err) >= {"message", "type", "code"} and err["code"] == status
+        return err
+
+    status, _, body = call(endpoint, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1})
+    assert status == 400 and "max_tokens" in error(status, body)["message"]  # the replica's own validation
+    status, _, body = call(endpoint, "/v1/chat/completions", raw=b"{not json")
+    assert status == 400 and error(status, body)["type"] == "invalid_request_error"
+    status, _, body = call(endpoint, "/v1/nowhere", {})
+    assert status == 404 and error(status, body)
+    status, _, body = call(endpoint, "/v1/completions", raw=json.dumps({"prompt": "x" * 200_000}).encode())
+    assert status == 413 and error(status, body)  # the ingress's --max-body-size
+    status, _, body = call(endpoint, "/slots/0?action=erase", {})
+    assert status == 501 and error(status, body)
+    status, _, body = call(endpoint, "/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+
+
+def test_metrics_add_up_the_replicas(endpoint):
+    before = metric(endpoint, "speculant:requests_finished_total")
+    for i in range(3):
+        chat(endpoint, [{"role": "user", "content": f"count {i}"}])
+    assert metric(endpoint, "speculant:requests_finished_total") - before == 3
+    assert metric(endpoint, "speculant:ray_replicas") == 2
+    status, _, body = call(endpoint, "/slots")
+    slots = json.loads(body)
+    assert status == 200 and len(slots) == 4 and len({s["replica"] for s in slots}) == 2
+
+
+def kill_replica(unique_id: str) -> None:
+    """SIGKILL-like: the replica's actor ends at once, without Serve's graceful shutdown."""
+    name = next(a for a in ray.util.list_named_actors(all_namespaces=True) if unique_id in a["name"])
+    ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
+
+
+def test_a_killed_replica_comes_back_and_no_request_is_lost(endpoint):
+    messages = [{"role": "system", "content": "You write long programs."}, {"role": "user", "content": "write a long C file"}]
+    _, victim = chat(endpoint, messages)
+    long = {"messages": messages, "max_tokens": 600}
+
+    def one(i):
+        stream = i == 0
+        status, headers, body = call(endpoint, "/v1/chat/completions", {**long, "stream": stream})
+        return stream, status, headers.get(REPLICA_HEADER), body
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(one, i) for i in range(5)]
+        time.sleep(1.0)  # they are running on the victim (the conversation's replica)
+        kill_replica(victim)
+        results = [f.result(timeout=TIMEOUT) for f in futures]
+
+    for stream, status, replica, body in results:
+        if stream:  # its bytes had started: complete, or ended by an error event, once
+            events = [e[6:] for e in body.decode().split("\n\n") if e.startswith("data: ")]
+            assert status == 200 and events.count("[DONE]") == 1
+            last = json.loads(events[-2])
+            assert "error" in last or last["choices"][0]["finish_reason"] is not None
+        else:  # a whole answer: retried on the other replica if the victim died under it, answered once
+            assert status == 200, body
+            answer = json.loads(body)
+            assert len(answer["choices"]) == 1 and answer["choices"][0]["finish_reason"] in ("length", "stop")
+    assert metric(endpoint, "speculant:ray_replica_deaths_total") >= 1
+    retried = {replica for stream, _, replica, _ in results if not stream} - {victim}
+    assert retried, "no request was in flight on the victim"
+
+    deadline = time.time() + 90  # Serve starts a new replica in the victim's place
+    while time.time() < deadline:
+        if metric(endpoint, "speculant:ray_replicas") == 2:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the killed replica was not replaced")
+    _, _, body = call(endpoint, "/slots")
+    replicas = {s["replica"] for s in json.loads(body)}
+    assert victim not in replicas and len(replicas) == 2
+    # The conversation now lives where its retries ran; its next turns stay there.
+    turn = messages + [{"role": "assistant", "content": "int main(void) { return 0; }"}, {"role": "user", "content": "more"}]
+    assert {chat(endpoint, turn)[1] for _ in range(3)} == retried
