@@ -82,13 +82,12 @@ class SpeculantProposer:
             if not sampled:  # a partial prefill: vLLM wants no draft, nothing is known yet
                 continue
             n = int(num_tokens_no_spec[i])
-            history = tuple(token_ids_cpu[i, :n].tolist())
-            seq, new = self.rows.match(history, len(sampled))
+            seq, new = self.rows.match(token_ids_cpu[i, :n], len(sampled))
             if new:
-                self.chain.begin(SequenceView(seq.seq_id, seq.tokens, seq.n_prompt))
-            view = SequenceView(seq.seq_id, history, seq.n_prompt)
+                self.chain.begin(SequenceView(seq.seq_id, seq.tokens[: seq.n_prompt], seq.n_prompt))
+            view = SequenceView(seq.seq_id, seq.tokens, seq.n_prompt)
             self.chain.accept(view, *self._verified(seq.draft, sampled))
-            seq.tokens, seq.draft = history, None
+            seq.draft = None
             n_max = min(self.num_speculative_tokens, self.max_model_len - n - 1)
             if n_max > 0:  # vLLM skips a row at the context's end too
                 requests.append(DraftRequest(view, DraftLimits(n_max=n_max, n_min=self.n_min)))
