@@ -242,3 +242,24 @@ def test_imports_without_vllm():
     code = ("import sys, vllm_speculant, vllm_speculant.plugin, vllm_speculant.eagle3_export, vllm_speculant.command; "
             "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_rows_with_the_same_length_and_tail_are_told_apart():
+    """Rows are looked up by (length, last tokens) and verified whole: two histories that share
+    both still go to their own sequences, and a row that only shares them starts a new one."""
+    from vllm_speculant.rows import Rows
+
+    rows = Rows()
+    a = np.array([1, 2, 3, 7, 8, 9, 10], dtype=np.int32)
+    b = np.array([4, 5, 6, 7, 8, 9, 10], dtype=np.int32)
+    sa, _ = rows.match(a[:6], 1)
+    sb, _ = rows.match(b[:6], 1)
+    assert rows.finish() == []
+    # next step, in the other order: each row continues its own history
+    assert rows.match(np.append(b[:6], 11), 1) == (sb, False)
+    assert rows.match(np.append(a[:6], 12), 1) == (sa, False)
+    rows.finish()
+    c = np.array([0, 2, 3, 7, 8, 9, 11, 13], dtype=np.int32)  # length and tail of b's history, not b
+    sc, new = rows.match(c, 1)
+    assert new and sc.tokens == tuple(c.tolist()) and sc.n_prompt == 7
+    assert sorted(rows.finish()) == sorted([sa.seq_id, sb.seq_id])
