@@ -109,3 +109,18 @@ def test_slot_files_do_not_go_with_ray(capsys, tmp_path):
     assert serve_main(["-m", str(model), "--ray", "--slot-save-path", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--slot-save-path" in err[0]
+
+
+def test_serve_run_builder_takes_serve_flags(tmp_path):
+    import pytest
+
+    from speculant.errors import SpeculantError
+
+    serve = pytest.importorskip("ray.serve", reason="the [ray] extra (in [dev]) is not installed")
+    from speculant_server.ray_app import app_builder
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")  # binding does not load it: the replicas do
+    assert isinstance(app_builder({"flags": f"-m {model} --ray-replicas 3 -np 2"}), serve.Application)
+    with pytest.raises(SpeculantError, match="no such file"):
+        app_builder({"flags": f"-m {tmp_path / 'absent.gguf'}"})

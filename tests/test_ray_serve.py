@@ -175,6 +175,19 @@ def test_metrics_add_up_the_replicas(endpoint):
     assert status == 200 and len(slots) == 4 and len({s["replica"] for s in slots}) == 2
 
 
+def test_a_client_that_goes_away_cancels_its_request(endpoint):
+    before = metric(endpoint, "speculant:requests_cancelled_total")
+    body = {"messages": [{"role": "user", "content": "write a very long story"}], "max_tokens": 900, "stream": True}
+    req = urllib.request.Request(endpoint + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+        assert r.read(64).startswith(b"data: ")  # it is streaming; now hang up
+    deadline = time.time() + 20
+    while time.time() < deadline and metric(endpoint, "speculant:requests_cancelled_total") == before:
+        time.sleep(0.2)
+    assert metric(endpoint, "speculant:requests_cancelled_total") == before + 1  # the replica stopped it
+
+
 def kill_replica(unique_id: str) -> None:
     """SIGKILL-like: the replica's actor ends at once, without Serve's graceful shutdown."""
     name = next(a for a in ray.util.list_named_actors(all_namespaces=True) if unique_id in a["name"])

@@ -120,10 +120,10 @@ def free_port(host: str, port: int) -> int:
         raise SpeculantError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def deploy(args) -> tuple[str, bool]:
+def deploy(args, after_init=None) -> tuple[str, bool]:
     """Start (or join) Ray, start Serve's proxy on --host:--port and run the application; returns
     the endpoint's URL and whether a local cluster was started here. Blocks until every replica
-    has loaded its model."""
+    has loaded its model. `after_init` runs once Ray is up."""
     ray, serve = require_ray()
     check(args)
     port = free_port(args.host, args.port)
@@ -137,6 +137,8 @@ def deploy(args) -> tuple[str, bool]:
             "num_cpus": max(os.cpu_count() or 1, int(cpus * args.ray_replicas + 0.999)),
             "include_dashboard": False}
         ray.init(namespace="speculant", **kwargs)
+    if after_init is not None:
+        after_init()
     serve.start(http_options={"host": args.host, "port": port})
     try:
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
@@ -166,9 +168,12 @@ def cmd_serve_ray(args) -> int:
     configure_logging(args.log_format)
     log = get_logger("speculant.server.ray")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    url, started = deploy(args)
+
+    def on_signals():  # after ray.init, which installs a SIGTERM handler of its own that aborts
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+
+    url, started = deploy(args, on_signals)
     cpus, threads = replica_resources(args)
     log.info("listening", url=url, model=args.model, replicas=args.ray_replicas, cpus_per_replica=cpus,
              threads_per_replica=threads, slots_per_replica=args.parallel, spec_types=args.spec_type or "none")
