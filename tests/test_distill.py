@@ -59,6 +59,12 @@ def test_answers_are_the_targets_greedy_answers_and_resume(tiny, tmp_path):
     indices = [r["index"] for r in rows2]
     assert len(indices) == len(set(indices))
     assert [ids for _, ids in documents(str(path))] == [r["prompt"] + r["answer"] for r in rows2]
+    # Speculators decode the same answers.
+    fast = tmp_path / "fast.jsonl"
+    answer(tiny, str(fast), 600, SOURCES, batch=3, max_tokens=12, max_prompt=400, spec_types="ngram-simple,ngram-map-k",
+           log=lambda m: None)
+    by_index = lambda rs: sorted(rs, key=lambda r: r["index"])  # they may finish in another order
+    assert by_index(json.loads(line) for line in fast.read_text().splitlines()) == by_index(rows)
 
 
 def test_collect_self_recipe_and_mixing(tiny, tmp_path):
