@@ -19,7 +19,13 @@ from speculant.testing.tiny_gguf import write_tiny_model
 from speculant_eagle3.layout import write_head
 from speculant_eagle3.testing import random_net, target_embedding, write_random_head
 
-from vllm_speculant.eagle3_export import export
+from vllm_speculant.export import export as export_any
+
+
+def export(path, out_dir, dtype="bfloat16"):
+    out, method = export_any(path, out_dir, dtype=dtype)
+    assert method == "eagle3"
+    return out
 
 N_DRAFT = 300
 
@@ -230,5 +236,5 @@ def test_command_and_what_is_not_exported(heads, target, tmp_path, capsys):
     assert main(["export-vllm", heads["reduced"], "-o", str(tmp_path / "cli"), "--dtype", "float16"]) == 0
     assert '"method": "eagle3"' in capsys.readouterr().out
     assert load_file(str(tmp_path / "cli" / "model.safetensors"))["fc.weight"].dtype == torch.float16
-    with pytest.raises(SpeculantError, match="not an EAGLE3 head"):
+    with pytest.raises(SpeculantError, match="not a drafter vLLM can load"):
         export(target[0], str(tmp_path / "x"))

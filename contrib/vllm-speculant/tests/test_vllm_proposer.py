@@ -239,7 +239,8 @@ def test_imports_without_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, vllm_speculant, vllm_speculant.plugin, vllm_speculant.eagle3_export, vllm_speculant.command; "
+    code = ("import sys, vllm_speculant, vllm_speculant.plugin, vllm_speculant.export, vllm_speculant.eagle3_export, "
+            "vllm_speculant.dflash_export, vllm_speculant.command; "
             "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

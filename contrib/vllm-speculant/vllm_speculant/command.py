@@ -6,18 +6,23 @@ from speculant import hookimpl
 
 
 def run(args) -> int:
-    from vllm_speculant.eagle3_export import export
+    import json
 
-    out = export(args.head, args.output, dtype=args.dtype)
-    print(f"{out}: load it in vLLM with speculative_config={{\"method\": \"eagle3\", \"model\": \"{out}\", "
-          "\"num_speculative_tokens\": 3}")
+    from vllm_speculant.export import export
+
+    out, method = export(args.head, args.output, dtype=args.dtype)
+    config = json.loads((out / "config.json").read_text())
+    # EAGLE3 drafts a few tokens a step well; a DFlash block drafts block_size - 1 in one forward.
+    n = config["block_size"] - 1 if method == "dflash" else 3
+    spec = {"method": method, "model": str(out), "num_speculative_tokens": n}
+    print(f"{out}: load it in vLLM with speculative_config={json.dumps(spec)}")
     return 0
 
 
 @hookimpl
 def speculant_add_commands(subparsers, register):
-    p = subparsers.add_parser("export-vllm", help="write an EAGLE3 head (GGUF) as a checkpoint vLLM's eagle3 method loads")
-    p.add_argument("head", help="the head, llama.cpp's eagle3 GGUF layout (what `speculant train eagle3` writes)")
+    p = subparsers.add_parser("export-vllm", help="write an EAGLE3 head or DFlash drafter (GGUF) as a checkpoint vLLM's eagle3 or dflash method loads")
+    p.add_argument("head", help="the drafter, llama.cpp's eagle3 or dflash GGUF layout (what `speculant train eagle3|dflash` writes)")
     p.add_argument("-o", "--output", required=True, help="directory to write config.json and model.safetensors into")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="the weights' dtype (default bfloat16; vLLM casts to the target's dtype on load)")

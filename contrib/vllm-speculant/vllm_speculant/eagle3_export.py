@@ -30,19 +30,17 @@ checkpoints are; vLLM casts to the target's dtype on load).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from speculant import ModelFileError, SpeculantError
 from speculant.logs import get_logger
+
+from vllm_speculant.checkpoint import dequantized, dtype_of, f32, vocab_tensors, write
 
 log = get_logger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # llama.cpp eagle3 tensor -> vLLM/HF EAGLE3 checkpoint name
 NAMES = {
@@ -71,11 +69,6 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _f32(x: float) -> float:
-    """A float32 read from the GGUF, written as its shortest decimal (1e-06, not 9.99999997e-07)."""
-    return float(str(np.float32(x)))
-
-
 def config_json(cfg, dtype: str) -> dict:
     """The checkpoint's config.json from the head's hyperparameters (speculant_eagle3.layout.HeadConfig)."""
     eagle = {"eagle_aux_hidden_state_layer_ids": [int(x) for x in cfg.target_layers], "use_aux_hidden_state": True,
@@ -90,11 +83,11 @@ def config_json(cfg, dtype: str) -> dict:
         "head_dim": cfg.head_dim,
         "num_hidden_layers": 1,
         "hidden_act": "silu",
-        "rms_norm_eps": _f32(cfg.eps),
+        "rms_norm_eps": f32(cfg.eps),
         # both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters (vLLM's get_rope)
-        "rope_theta": _f32(cfg.rope_base),
+        "rope_theta": f32(cfg.rope_base),
         "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": _f32(cfg.rope_base)},
+        "rope_parameters": {"rope_type": "default", "rope_theta": f32(cfg.rope_base)},
         "max_position_embeddings": cfg.n_ctx,
         "vocab_size": cfg.n_target_vocab,
         "draft_vocab_size": cfg.n_draft_vocab,
@@ -111,14 +104,12 @@ def config_json(cfg, dtype: str) -> dict:
 
 def state_dict(gguf, cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, dequantized from the head's GGUF."""
-    from speculant.gguf import dequantize
-
     out: dict[str, torch.Tensor] = {}
     for src, dst in NAMES.items():
         info = gguf.tensors.get(src)
         if info is None:
             continue  # the optional ones (checked by the loader below); vLLM shares the target's
-        w = dequantize(info.data, info.qtype, tuple(info.shape))
+        w = dequantized(info)
         if src == "blk.0.attn_q.weight":
             w = unpermute_rope_rows(w, cfg.n_head)
         elif src == "blk.0.attn_k.weight":
@@ -126,52 +117,18 @@ def state_dict(gguf, cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         out[dst] = w.to(dtype).contiguous()
     if not cfg.norm_before_fc:
         out.pop("input_norm.weight", None)  # unused by the head: vLLM drops it too
-    d2t = gguf.tensors.get("d2t")
-    if d2t is not None and cfg.n_draft_vocab != cfg.n_target_vocab:
-        absolute = torch.from_numpy(np.asarray(d2t.data, dtype=np.int64).reshape(-1).copy())
-        out["d2t"] = absolute - torch.arange(len(absolute), dtype=torch.int64)
-        t2d = torch.zeros(cfg.n_target_vocab, dtype=torch.bool)
-        t2d[absolute] = True
-        out["t2d"] = t2d
-    elif "lm_head.weight" in out and cfg.n_draft_vocab != cfg.n_target_vocab:
-        raise ModelFileError(f"{gguf.path}: a reduced lm_head ({cfg.n_draft_vocab} rows) without 'd2t'")
-    if "lm_head.weight" not in out and cfg.n_draft_vocab != cfg.n_target_vocab:
-        raise ModelFileError(f"{gguf.path}: 'd2t' without the head's own lm_head: vLLM would share the target's "
-                             f"full one, {cfg.n_target_vocab} rows, not {cfg.n_draft_vocab}")
+    out.update(vocab_tensors(gguf, cfg.n_draft_vocab, cfg.n_target_vocab, "lm_head.weight" in out))
     return out
 
 
-def export(head_path: str, out_dir: str, dtype: str = "bfloat16") -> Path:
-    """Write `out_dir`/config.json and model.safetensors for the head at `head_path`; returns the directory."""
-    from safetensors.torch import save_file
-
-    from speculant.gguf import open_gguf
-
-    if dtype not in DTYPES:
-        raise SpeculantError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    gguf = open_gguf(head_path)
-    arch = gguf.architecture
-    if arch != "eagle3":
-        kind = "dflash" if arch == "dflash" else "mtp" if gguf.arch_key("nextn_predict_layers") else None
-        why = WHY_NOT[kind] if kind else "not an EAGLE3 head (general.architecture 'eagle3')"
-        raise SpeculantError(f"{head_path}: architecture '{arch}': {why}")
+def export(gguf, out_dir: str, dtype: str = "bfloat16") -> Path:
+    """Write `out_dir`/config.json and model.safetensors for the head in `gguf` (opened,
+    architecture eagle3); returns the directory."""
     from speculant_eagle3.layout import read_config  # the layout's one reader (speculant's eagle3 plugin)
 
     cfg = read_config(gguf)
-    tensors = state_dict(gguf, cfg, DTYPES[dtype])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config_json(cfg, dtype), indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": Path(head_path).name})
-    log.info("exported EAGLE3 head for vLLM", head=head_path, out=str(out), dtype=dtype,
+    tensors = state_dict(gguf, cfg, dtype_of(dtype))
+    out = write(out_dir, config_json(cfg, dtype), tensors, gguf.path)
+    log.info("exported EAGLE3 head for vLLM", head=str(gguf.path), out=str(out), dtype=dtype,
              tensors=len(tensors), draft_vocab=cfg.n_draft_vocab, target_layers=list(cfg.target_layers))
     return out
-
-
-# Why the other hidden-state drafters are not exported (see README, "What is not exported").
-WHY_NOT = {
-    "dflash": "a DFlash drafter, not exported yet: vLLM's dflash method loads Qwen3-style DFlash drafters "
-              "(qwen3_dflash.py); mapping llama.cpp's dflash layout onto it is not done",
-    "mtp": "an MTP sidecar: vLLM has no MTP drafter for the targets speculant trains sidecars for (qwen2, llama); "
-           "a Qwen3.5 target's own block is in its HF checkpoint, which vLLM's mtp method uses directly",
-}
