@@ -16,6 +16,7 @@ PACKAGES = {  # import name -> its folder
     "speculant_draft": "plugins/draft/speculant_draft",
     "speculant_eagle3": "plugins/eagle3/speculant_eagle3",
     "speculant_mtp": "plugins/mtp/speculant_mtp",
+    "speculant_dflash": "plugins/dflash/speculant_dflash",
     "speculant_suffix": "contrib/speculant-suffix/speculant_suffix",
     "vllm_speculant": "contrib/vllm-speculant/vllm_speculant",
 }

@@ -36,7 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
-from speculant.training import source_files
+from speculant.sources import source_files
 
 __all__ = ["CODE_ASKS", "DATA_ASKS", "SPEC_ASKS", "SYSTEMS", "answer", "documents", "requests"]
 

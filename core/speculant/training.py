@@ -33,17 +33,15 @@ end-of-generation tokens), :func:`target_tensor` (a target tensor dequantized), 
 """
 from __future__ import annotations
 
-import glob
-import hashlib
 import json
 import os
-import sysconfig
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from speculant.sources import default_sources, source_files
 from speculant.types import Batch
 
 __all__ = ["ASKS", "LANGS", "RECIPES", "SHARD_TOKENS", "add_recipe_arguments", "recipe_options", "TOP_K", "Shards", "bf16_default", "collect", "default_sources", "eog_ids",
@@ -55,22 +53,6 @@ TOP_K = 8
 ASKS = ("Show me the source of `{name}`.", "Write `{name}`.", "What does `{name}` contain? Show the code.",
         "Print the next part of `{name}`.", "Give me the code of `{name}`, as it is.")
 LANGS = {".py": "python", ".h": "c", ".hpp": "cpp", ".c": "c", ".cc": "cpp", ".cpp": "cpp", ".md": "markdown", ".rst": "rst"}
-
-
-def default_sources() -> list[str]:
-    """Globs of the files the default recipe reads: Python's standard library, then the packages
-    installed beside it (their .py files, and C/C++ headers)."""
-    std, site = sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]
-    return [f"{std}/**/*.py", f"{site}/**/*.py", f"{site}/**/*.h"]
-
-
-def source_files(globs: list[str]) -> list[str]:
-    """Every matching file, in a fixed pseudo-random order (a hash of the path), so a rerun and
-    another machine with the same files take them in the same order. Tests and files under
-    200 bytes are left out."""
-    files = {os.path.realpath(f) for g in globs for f in glob.glob(g, recursive=True) if os.path.isfile(f)}
-    files = [f for f in files if "/test" not in f and os.path.getsize(f) > 200]
-    return sorted(files, key=lambda f: hashlib.sha256(f.encode()).hexdigest())
 
 
 def pieces(files: list[str], tokenizer, piece_tokens: int):
