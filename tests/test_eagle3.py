@@ -228,6 +228,34 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     assert out_tokens == plain and engine.spec_stats["eagle3"].drafted > 0
 
 
+def test_train_init_starts_from_a_trained_head(tiny, tmp_path):
+    """`--init HEAD.gguf`: the new training starts from that head's weights and draft vocabulary
+    (an F32 head round-trips exactly), and a head of another shape is refused by name."""
+    from speculant.cli import main
+    from speculant.gguf import open_gguf
+    from speculant_eagle3.testing import head_config_for, target_embedding
+    from speculant_eagle3.train.loop import init_from_head
+    from speculant_eagle3.train.net import Eagle3Net
+
+    base = ["-m", tiny.target_path, "--source", "core/speculant/*.py", "--tokens", "800", "--piece-tokens", "100",
+            "--batch", "2", "--window", "32", "--draft-vocab", "200", "--ffn", "64", "--qtype", "F32", "--precision", "fp32"]
+    first = tmp_path / "first.gguf"
+    assert main(["train", "eagle3", "-o", str(first), "--data", str(tmp_path / "a"), "--steps", "4", *base]) == 0
+    cfg = head_config_for(tiny.target_path, n_draft_vocab=200, n_ff=64, target_layers=(1, 2, 3))
+    net = Eagle3Net(cfg, target_embedding(tiny.target_path))
+    d2t = init_from_head(net, str(first))
+    g = open_gguf(str(first))
+    assert d2t.tolist() == np.asarray(g.tensors["d2t"].data).reshape(-1).tolist()
+    for name, w in net.gguf_weights().items():
+        assert np.array_equal(w, np.asarray(g.tensors[name].data, dtype=np.float32).reshape(w.shape)), name
+    second = tmp_path / "second.gguf"
+    assert main(["train", "eagle3", "-o", str(second), "--data", str(tmp_path / "b"), "--steps", "2", "--init", str(first), *base]) == 0
+    assert open_gguf(str(second)).tensors["d2t"].data.tolist() == g.tensors["d2t"].data.tolist()
+    with pytest.raises(ValueError, match="ffn_gate"):
+        init_from_head(Eagle3Net(head_config_for(tiny.target_path, n_draft_vocab=200, n_ff=96, target_layers=(1, 2, 3)),
+                                 target_embedding(tiny.target_path)), str(first))
+
+
 def test_layout_keeps_the_norm_epsilon(tmp_path):
     """The head's RMSNorm epsilon is read back from the key the writer writes (a target whose
     epsilon is not the 1e-6 default shows a misspelt key)."""

@@ -39,6 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="training matmuls: bf16 autocast or fp32 (default auto: bf16 where the CPU has AVX-512 BF16 or AMX)")
     p.add_argument("-t", "--threads", type=int_in(1), default=None, help="threads")
+    p.add_argument("--init", default=None, metavar="HEAD.gguf",
+                   help="start from this trained head (its weights and draft vocabulary), e.g. to fine-tune it on --recipe self data")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -69,12 +71,12 @@ def run(args) -> int:
     always = sorted(set(eog_ids(args.model)))
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
     net, d2t, acc, done = train(cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch,
-                          window=args.window, steps=args.ttt, lr=args.lr, save_every=args.save_every, mix=tuple(args.mix), seed=args.seed,
+                          window=args.window, steps=args.ttt, lr=args.lr, save_every=args.save_every, mix=tuple(args.mix), init=args.init, seed=args.seed,
                           always=always, log=log, progress=sys.stderr.isatty(), time_limit=remaining,
                           bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
     summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "held_out_accuracy": [round(a, 4) for a in acc],
-               "sources": sources, "recipe": args.recipe, "mix": args.mix, "draft_vocab": len(d2t), "ffn": args.ffn, "ttt": args.ttt}
+               "sources": sources, "recipe": args.recipe, "mix": args.mix, "init": args.init, "draft_vocab": len(d2t), "ffn": args.ffn, "ttt": args.ttt}
     write_head(args.output, cfg, net.gguf_weights(), target_path=args.model, d2t=d2t, qtype=args.qtype,
                extra={"speculant.training": json.dumps(summary)})
     log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per step {summary['held_out_accuracy']}"

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from speculant.training import Shards, split
 
 from speculant_eagle3.layout import HeadConfig
-from speculant_eagle3.train.net import Eagle3Net
+from speculant_eagle3.train.net import GGUF_TO_NET, Eagle3Net
 
 STEP_WEIGHT = 0.8
 
@@ -110,6 +110,30 @@ def init_from_target(net: Eagle3Net, target_path: str, d2t: np.ndarray) -> None:
                 p.normal_(0.0, 0.02)
 
 
+def init_from_head(net: Eagle3Net, head_path: str) -> np.ndarray:
+    """Load a trained head's weights (dequantized) into `net` and return its draft vocabulary:
+    fine-tuning starts where that head's training ended. Its shapes must be the net's."""
+    from speculant.gguf import dequantize, open_gguf
+
+    g = open_gguf(head_path)
+    if "d2t" not in g.tensors:
+        raise ValueError(f"{head_path}: the head has no draft vocabulary (d2t) to start from")
+    d2t = np.asarray(g.tensors["d2t"].data, dtype=np.int64).reshape(-1).copy()
+    params = dict(net.named_parameters())
+    with torch.no_grad():
+        for name, module_name in GGUF_TO_NET.items():
+            t = g.tensors.get(name)
+            if t is None:
+                raise ValueError(f"{head_path}: no tensor {name} to start from")
+            w = dequantize(t.data, t.qtype, t.shape)
+            p = params[f"{module_name}.weight"]
+            if tuple(w.shape) != tuple(p.shape):
+                raise ValueError(f"{head_path}: {name} is {tuple(w.shape)}, this training's head wants {tuple(p.shape)} "
+                                 "(same --ffn, --draft-vocab and target as the head's)")
+            p.copy_(w)
+    return d2t
+
+
 def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: int = 0) -> list[float]:
     rng_state = batches.rng
     batches.rng = np.random.default_rng(seed)
@@ -126,33 +150,37 @@ def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: i
 
 def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
           window: int = 256, steps: int = 3, lr: float = 3e-4, save_every: int = 100, seed: int = 0, mix: tuple = (),
-          always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False):
+          always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False,
+          init: str | None = None):
     """Train (or resume) and return (net, d2t, held-out accuracies, steps done). Stops early
     after `time_limit` seconds with a checkpoint, so a later run continues. `bf16`: matmuls in
     bfloat16 under autocast (weights and optimizer stay float32), 3-4x faster where the CPU
-    has AVX-512 BF16 or AMX."""
+    has AVX-512 BF16 or AMX. `init`: a trained head to start from (its weights and draft
+    vocabulary) instead of the target's rows, when there is no checkpoint yet."""
     from tqdm import tqdm
 
     shards = Shards([data_dir, *mix])  # the checkpoint stays in data_dir
     train_docs, held = split(shards.documents())
     ckpt_path = Path(data_dir) / "ckpt.pt"
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
-    if state is not None:
-        d2t = state["d2t"]
-    else:
-        d2t = draft_vocabulary(shards, train_docs, cfg.n_draft_vocab, cfg.n_target_vocab, list(always))
-    t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
-    t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
     torch.manual_seed(seed)
     net = Eagle3Net(cfg, embed)
+    if state is not None:
+        d2t = state["d2t"]
+    elif init is not None:
+        d2t = init_from_head(net, init)
+        log(f"starting from {init}")
+    else:
+        d2t = draft_vocabulary(shards, train_docs, cfg.n_draft_vocab, cfg.n_target_vocab, list(always))
+        init_from_target(net, target_path, d2t)
+    t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
+    t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if state is not None:
         net.load_state_dict(state["net"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
-    else:
-        init_from_target(net, target_path, d2t)
     warmup = min(100, total_steps // 10 + 1)
     sched = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps)))))
     batches = Batches(shards, train_docs, t2d, window, steps, seed + start)

@@ -110,11 +110,14 @@ class Eagle3Net(nn.Module):
     # --- export -----------------------------------------------------------------------------------
     def gguf_weights(self) -> dict:
         """Tensor name -> float32 numpy array, in llama.cpp's eagle3 names."""
-        m = {
-            "fc.weight": self.fc, "blk.0.attn_norm.weight": self.attn_norm, "blk.0.attn_norm_2.weight": self.hidden_norm,
-            "blk.0.attn_q.weight": self.q, "blk.0.attn_k.weight": self.k, "blk.0.attn_v.weight": self.v,
-            "blk.0.attn_output.weight": self.o, "blk.0.ffn_norm.weight": self.ffn_norm, "blk.0.ffn_gate.weight": self.gate,
-            "blk.0.ffn_up.weight": self.up, "blk.0.ffn_down.weight": self.down, "output_norm.weight": self.out_norm,
-            "output.weight": self.lm_head,
-        }
-        return {name: mod.weight.detach().float().cpu().numpy() for name, mod in m.items()}
+        return {name: getattr(self, module).weight.detach().float().cpu().numpy() for name, module in GGUF_TO_NET.items()}
+
+
+# llama.cpp's eagle3 tensor names -> the net's modules (export, and starting from a trained head).
+GGUF_TO_NET = {
+    "fc.weight": "fc", "blk.0.attn_norm.weight": "attn_norm", "blk.0.attn_norm_2.weight": "hidden_norm",
+    "blk.0.attn_q.weight": "q", "blk.0.attn_k.weight": "k", "blk.0.attn_v.weight": "v",
+    "blk.0.attn_output.weight": "o", "blk.0.ffn_norm.weight": "ffn_norm", "blk.0.ffn_gate.weight": "gate",
+    "blk.0.ffn_up.weight": "up", "blk.0.ffn_down.weight": "down", "output_norm.weight": "out_norm",
+    "output.weight": "lm_head",
+}
