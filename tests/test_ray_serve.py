@@ -173,6 +173,10 @@ def test_metrics_add_up_the_replicas(endpoint):
     status, _, body = call(endpoint, "/slots")
     slots = json.loads(body)
     assert status == 200 and len(slots) == 4 and len({s["replica"] for s in slots}) == 2
+    # The router's own count of requests in flight, which it balances by, is back to 0 once they ended.
+    _, _, text = call(endpoint, "/metrics")
+    loads = [float(line.split()[-1]) for line in text.decode().splitlines() if line.startswith("speculant:ray_replica_load{")]
+    assert loads == [0.0, 0.0]
 
 
 def test_a_client_that_goes_away_cancels_its_request(endpoint):

@@ -191,7 +191,7 @@ class Ingress:
                 return Response(body, status_code=status, media_type="application/json")
         router = ROUTERS.get(self.settings.engine)
         text = aggregate([body.decode() for *_, body in answers], self.stats, router.stats if router else None,
-                         len(answers))
+                         len(answers), router.load() if router else None)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def slots(self, request):

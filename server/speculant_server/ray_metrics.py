@@ -41,7 +41,8 @@ class IngressStats:
         self.routing_sum += seconds
 
 
-def aggregate(texts: list[str], ingress: IngressStats | None = None, routing=None, n_replicas: int | None = None) -> bytes:
+def aggregate(texts: list[str], ingress: IngressStats | None = None, routing=None, n_replicas: int | None = None,
+              load: dict[str, int] | None = None) -> bytes:
     """Prometheus text for the replicas' `texts` together, with the ingress's counters."""
     families: dict[str, tuple[str, str]] = {}  # name -> (type, help), in first-seen order
     values: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -80,7 +81,7 @@ def aggregate(texts: list[str], ingress: IngressStats | None = None, routing=Non
                 v = sum(vs)
             fam.add_metric([dict(key).get(k, "") for k in labels], v)
         out.append(fam)
-    out.extend(_ingress_families(ingress, routing, n_replicas))
+    out.extend(_ingress_families(ingress, routing, n_replicas, load))
 
     class Fixed:
         def collect(self):
@@ -91,9 +92,15 @@ def aggregate(texts: list[str], ingress: IngressStats | None = None, routing=Non
     return generate_latest(registry)
 
 
-def _ingress_families(ingress: IngressStats | None, routing, n_replicas: int | None):
+def _ingress_families(ingress: IngressStats | None, routing, n_replicas: int | None, load: dict[str, int] | None):
     if n_replicas is not None:
         yield GaugeMetricFamily(P + "ray_replicas", "Engine replicas that answered this scrape.", value=n_replicas)
+    if routing is not None and load is not None:
+        gauge = GaugeMetricFamily(P + "ray_replica_load", "Requests the router sent to a replica that have not "
+                                  "completed (what it balances new conversations by).", labels=["replica"])
+        for replica, n in sorted(load.items()):
+            gauge.add_metric([replica], n)
+        yield gauge
     if routing is not None:
         fam = CounterMetricFamily(P + "ray_routed", "Requests routed, by how their conversation's replica was found: hit "
                                   "(the replica that served it before), spill (that one was full), moved (that one is gone), "

@@ -5,8 +5,8 @@ argument: its conversation so far, and each prefix of it. The router remembers w
 each request's whole conversation went to, and sends a request to the replica of its longest
 prefix that some earlier request sent whole: the one holding that conversation's prompt cache
 and suffix history. A request with no known key, or whose replica is gone, goes to the least loaded
-replica (Serve probes the queue lengths); so does one whose replica is full (max_ongoing
-requests reached), rather than waiting behind it. Keys of the form ``replica:ID`` name a replica
+replica (Serve's queue lengths, plus the requests chosen and not yet sent); so does one whose
+replica is full (max_ongoing requests reached), rather than waiting behind it. Keys of the form ``replica:ID`` name a replica
 outright: the ingress fans /metrics and /slots out with them.
 
 It is a plain ``RequestRouter``, without the FIFO mixin: Serve's FIFO mixin may hand the replica
@@ -18,12 +18,15 @@ conversations then start over on the least loaded replicas (a cache miss, not an
 """
 from __future__ import annotations
 
+import random
+import time
 from collections import OrderedDict
 
 import attrs
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 REPLICA_KEY = "replica:"
+RESERVATION_S = 30.0  # a choice not routed by then (the request went elsewhere) stops counting
 ROUTERS: dict[str, "AffinityRouter"] = {}  # deployment name -> its router in this process (the ingress reads them)
 
 
@@ -47,6 +50,9 @@ def request_keys(pending_request: PendingRequest | None) -> list[str]:
 class AffinityRouter(RequestRouter):
     def initialize_state(self, max_keys: int = 200_000):
         self._owner: OrderedDict[str, ReplicaID] = OrderedDict()
+        self._reserved: dict[int, tuple] = {}  # id(request) -> (it, its first choice, when)
+        self._sent: dict[tuple[ReplicaID, str], int] = {}  # (replica, internal request id) -> requests not completed
+        self._load: dict[ReplicaID, int] = {}  # replica -> requests sent to it, not completed
         self._max_keys = max_keys
         self.stats = RoutingStats()
         # Through the imported module, not this module's globals: Serve ships the router class
@@ -76,15 +82,46 @@ class AffinityRouter(RequestRouter):
         if keys and keys[0].startswith(REPLICA_KEY):  # a fan-out: that replica or none (the ingress times out)
             wanted = keys[0][len(REPLICA_KEY):]
             return [[r for r in candidate_replicas if r.replica_id.unique_id == wanted]]
+        self._reserved.pop(id(pending_request), None)  # this request's own earlier choice is not load
         owner = self.owner(keys)
-        if owner is None:
-            return [candidate_replicas]
-        others = [r for r in candidate_replicas if r.replica_id != owner]
-        mine = [r for r in candidate_replicas if r.replica_id == owner]
-        return [mine, others] if others else [mine]
+        order = self.least_loaded(candidate_replicas)
+        if owner is not None:
+            order = [r for r in order if r.replica_id == owner] + [r for r in order if r.replica_id != owner]
+        if order:  # counted against that replica until Serve's own count has the request (on_request_routed)
+            self._reserved[id(pending_request)] = (pending_request, order[0].replica_id, time.monotonic())
+        return [[r] for r in order]
+
+    def least_loaded(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """The candidates by load, least first, ties in random order. Load is the requests this
+        router sent to the replica that have not completed, plus those it chose the replica for
+        and has not sent yet: many requests arriving together would otherwise all see the same
+        loads and pick the same replica. Counted here rather than read from Serve's cached queue
+        lengths, which lag (and miss a replica not probed yet); with the one ingress, every
+        request of the deployment passes through this router."""
+        # Kept until on_request_routed, not until the request's future is set: between the two
+        # Serve sends it, and only then counts it in its queue lengths. Keyed by the request, not
+        # its future: Serve gives a request it routes again a new one. A request cancelled while
+        # waiting is never routed; one that is not heard of again is dropped after a while.
+        now = time.monotonic()
+        for key in [k for k, (pr, _, t) in self._reserved.items() if pr.future.cancelled() or now - t > RESERVATION_S]:
+            self._reserved.pop(key, None)
+        reserved: dict[ReplicaID, int] = {}
+        for _, replica, _ in self._reserved.values():
+            reserved[replica] = reserved.get(replica, 0) + 1
+        return sorted(candidates, key=lambda r: (self._load.get(r.replica_id, 0) + reserved.get(r.replica_id, 0),
+                                                 random.random()))
+
+    def load(self) -> dict[str, int]:
+        """Requests sent and not completed, by replica id (the ingress exports them)."""
+        return {r.unique_id: self._load.get(r, 0) for r in list(self._replicas)}
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self._reserved.pop(id(pending_request), None)
         keys = request_keys(pending_request)
+        if not (keys and keys[0].startswith(REPLICA_KEY)):  # fan-outs are not load
+            sent = (replica_id, pending_request.metadata.internal_request_id)
+            self._sent[sent] = self._sent.get(sent, 0) + 1
+            self._load[replica_id] = self._load.get(replica_id, 0) + 1
         if not keys:
             self.stats.unkeyed += 1
             return
@@ -108,3 +145,22 @@ class AffinityRouter(RequestRouter):
         self._owner.move_to_end(keys[0])
         while len(self._owner) > self._max_keys:
             self._owner.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # Serve also calls this for a request the replica rejected (never counted: only
+        # on_request_routed counts), so only what was counted is taken off.
+        sent = (replica_id, internal_request_id)
+        n = self._sent.get(sent, 0)
+        if n <= 0:
+            return
+        if n == 1:
+            del self._sent[sent]
+        else:
+            self._sent[sent] = n - 1
+        self._load[replica_id] = max(0, self._load.get(replica_id, 0) - 1)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self._load.pop(replica_id, None)
+        for sent in [k for k in self._sent if k[0] == replica_id]:
+            del self._sent[sent]
