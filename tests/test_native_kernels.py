@@ -53,9 +53,14 @@ def zmm() -> bool:
     return native.isa_of(lib) == "avx512"
 
 
-def tiled_path() -> int:
-    """What spk_last_path() says after a call that the tiled kernels take where the build has them."""
-    return 3 if zmm() else 1
+def tiled_path(rows: int) -> int:
+    """What spk_last_path() says after a call of `rows` rows that the tiled kernels take where the
+    build has them: 4 where they take groups of 8 rows (a call of up to 64 rows whose last
+    16-row group would be half empty or worse), else 3."""
+    if not zmm():
+        return 1
+    return 4 if rows <= 64 and 0 < rows % 16 <= 8 else 3
+
 
 K_QUANTS = {Q.Q4_K, Q.Q6_K}
 
@@ -131,8 +136,14 @@ def amx_min_rows():
 @pytest.fixture
 def tiled_min_rows():
     """Set the row count from which Q4_K calls that do not take AMX take the tiled VNNI kernels
-    (Q6_K ones from twice as many)."""
+    (Q6_K ones too where k > 4096, else from twice as many plus 4: tiled_from_rows)."""
     yield from _path_threshold(lib.spk_set_tiled_min_rows)
+
+
+def tiled_from_rows(qtype, k: int, rows: int) -> int:
+    """linear.cpp's tiled_min_rows: the row count from which a call takes the tiled kernels when
+    spk_set_tiled_min_rows(rows) (rows > 0) is in force."""
+    return 2 * rows + 4 if qtype == Q.Q6_K and k <= 4096 else rows
 
 
 # --- llama.cpp's arithmetic for the K-quants, emulated in numpy ---------------------------------
@@ -282,8 +293,9 @@ def test_k_quant_rows_are_llamacpp_arithmetic_whatever_the_row_count_and_path(qt
     if qtype == Q.Q4_K:
         tiled_min_rows(1)
         amx_min_rows(0)
-        run(raw, qtype, n, k, x[:3])
-        assert lib.spk_last_path() == tiled_path()  # the tiled kernel did run (where the build has it)
+        for m in (3, 9, 70):
+            run(raw, qtype, n, k, x[:m])
+            assert lib.spk_last_path() == tiled_path(m)  # the tiled kernels did run (where the build has them)
 
 
 def assert_rows_by_kind(got, kinds, bit, prompt, decode):
@@ -341,14 +353,13 @@ def test_prompt_arithmetic_is_the_same_on_every_path(qtype, n, k, amx_min_rows, 
     assert torch.equal(alone, torch.from_numpy(emulate(raw, n, k, x, True)))
     decode = run(raw, qtype, n, k, x)
     amx = 2 if lib.spk_amx_available() else 1
-    twice = 2 if qtype == Q.Q6_K else 1  # Q6_K takes the tiled kernels from twice the rows
     # always AMX, the default AMX split; then without AMX: tiled from 1 row, from 4 (Q6_K 8)
     for amx_from, tiled_from in ((1, 0), (5, 0), (0, 1), (0, 4)):
         amx_min_rows(amx_from)
         tiled_min_rows(tiled_from)
         for m in (1, 2, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 45, 48, 63, 64, 65, 70):
             got = run_mode(raw, qtype, n, k, x[:m], 1)
-            path = amx if amx_from and m >= amx_from else tiled_path() if tiled_from and m >= twice * tiled_from else 1
+            path = amx if amx_from and m >= amx_from else tiled_path(m) if tiled_from and m >= tiled_from_rows(qtype, k, tiled_from) else 1
             assert lib.spk_last_path() == path, f"{m} rows"
             assert torch.equal(got, alone[:m]), f"{m} rows, AMX from {amx_from} rows, tiled from {tiled_from}"
         assert torch.equal(run_mode(raw, qtype, n, k, x[21:66], 1), alone[21:66])  # rows at another offset
@@ -369,11 +380,13 @@ def test_amx_path_is_taken_where_available(amx_min_rows, tiled_min_rows):
     run(raw, Q.Q4_K, 32, 512, x[:1])
     assert lib.spk_last_path() == 1  # VNNI
     run(raw, Q.Q4_K, 32, 512, x)
-    expected = 2 if lib.spk_amx_available() else tiled_path()  # AMX, else VNNI on the AMX layout
+    expected = 2 if lib.spk_amx_available() else tiled_path(16)  # AMX, else VNNI on the AMX layout
     assert lib.spk_last_path() == expected
     amx_min_rows(0)
     run(raw, Q.Q4_K, 32, 512, x)
-    assert lib.spk_last_path() == tiled_path()
+    assert lib.spk_last_path() == tiled_path(16)
+    run(raw, Q.Q4_K, 32, 512, x[:8])
+    assert lib.spk_last_path() == tiled_path(8)
     tiled_min_rows(0)
     run(raw, Q.Q4_K, 32, 512, x)
     assert lib.spk_last_path() == 1
@@ -568,8 +581,9 @@ def test_q6k_canonical_rows_are_row_invariant_on_both_paths(n, k, amx_min_rows, 
             assert torch.equal(run_mode(raw, Q.Q6_K, n, k, x[:m], 2), alone[:m]), f"{m} rows, AMX from {amx}, tiled from {tiled}"
     amx_min_rows(0)
     tiled_min_rows(1)
-    run_mode(raw, Q.Q6_K, n, k, x[:2], 2)
-    assert lib.spk_last_path() == tiled_path()  # the tiled kernel did run
+    for m in (6, 17, 32):  # from 6 rows where k <= 4096, else from 1 (tiled_min_rows(1))
+        run_mode(raw, Q.Q6_K, n, k, x[:m], 2)
+        assert lib.spk_last_path() == tiled_path(m)  # the tiled kernels did run
     kinds = np.where(np.arange(len(x)) % 3 == 0, 4, 0).astype(np.uint8)  # mixed with llama.cpp-decode rows
     mixed = run_prompt(raw, Q.Q6_K, n, k, x, kinds)
     canon = torch.from_numpy(kinds == 4)

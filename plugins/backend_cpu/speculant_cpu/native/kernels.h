@@ -38,8 +38,8 @@
 // Where things are: isa.h (which ISA the build targets), blocks.h (the GGUF block layouts),
 // unpack.h (weight blocks into registers), epilogue.h (the shared fp32 epilogues), quantize.cpp
 // (the activations), vnni_k.h and vnni_b32.h (the per-row VNNI kernels; avx2_k.h and avx2_b32.h
-// the same on AVX2), tiled.cpp (tiled VNNI), amx.cpp (AMX), linear.cpp (the path choice, the
-// dispatcher and the spk_linear* C API), pool.h/.cpp (threads), cpu.cpp (AMX detection, the
+// the same on AVX2), tiled.cpp (tiled VNNI) and tiled_pairs.cpp (its groups of 8 rows), amx.cpp
+// (AMX), linear.cpp (the path choice, the dispatcher and the spk_linear* C API), pool.h/.cpp (threads), cpu.cpp (AMX detection, the
 // ISA), vec16.h (16-float vectors and the vector exps of attention.cpp and elementwise.cpp).
 //
 // Everything internal is in namespace spk with hidden visibility: nothing but spk_* is exported,
@@ -92,12 +92,14 @@ constexpr int ACT_TILE = 64;    // activation rows per work item: keeps them in 
 constexpr int NR_MAX = 8;       // activation rows sharing one decode of a weight block
 constexpr int TILED_GROUPS_MAX = 4;  // activation groups of a tiled VNNI work item: ACT_TILE / 16
 constexpr int AMX_GROUPS_MAX = 4;    // activation groups of 16 rows per AMX work item (ACT_TILE / 16)
+constexpr int PAIR_GROUPS_MAX = 8;   // activation groups of 8 rows per tiled-pairs work item (ACT_TILE / 8)
 static_assert(ROW_CHUNK == 16 && ACT_TILE % 16 == 0 && ACT_TILE <= 16 * AMX_GROUPS_MAX &&
-              ACT_TILE <= 16 * TILED_GROUPS_MAX, "work items");
+              ACT_TILE <= 16 * TILED_GROUPS_MAX && ACT_TILE <= 8 * PAIR_GROUPS_MAX, "work items");
 
 // quantize.cpp: the activations, as llama.cpp's CPU backend quantizes them.
 void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float* d, int16_t* bs16, int16_t* bs32);
-void quantize_q8k_block_amx(const float* x, int64_t m, int64_t k, int nb, bool q4k, bool q4k_order, int64_t g, int b, Act& a);
+void quantize_q8k_block_amx(const float* x, int64_t m, int64_t k, int nb, bool q4k, bool q4k_order, int64_t g, int b, Act& a,
+                            bool pairs);
 void quantize_q80_row(const float* x, int nb, int8_t* qs, float* d);
 
 // cpu.cpp: can the AMX kernel run here (CPU, build, OS permission, SPECULANT_AMX)?
@@ -110,9 +112,13 @@ extern std::mutex g_call_mu;  // one matmul at a time: the pool and the activati
 
 // tiled.cpp (AVX-512 builds): weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX)
 // in the AMX layout, on VNNI (Q4_K in decode arithmetic, Q6_K canonical; `prompt`: both in
-// llama.cpp's prompt arithmetic).
-void linear_tiled(int qtype, bool prompt, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
-                  int64_t i1, float* y, int64_t ldy);
+// llama.cpp's prompt arithmetic); [next, next + next_bytes), the next chunk, streams into L2 meanwhile.
+void linear_tiled(int qtype, bool prompt, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng,
+                  int64_t i0, int64_t i1, float* y, int64_t ldy, const uint8_t* next, int64_t next_bytes);
+// tiled_pairs.cpp (AVX-512 builds): the same on groups of 8 activation rows (the `pairs` layout of
+// quantize_q8k_block_amx), two weight rows per zmm (ng <= PAIR_GROUPS_MAX).
+void linear_tiled_pairs(int qtype, bool prompt, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0,
+                        int ng, int64_t i0, int64_t i1, float* y, int64_t ldy, const uint8_t* next, int64_t next_bytes);
 
 #ifdef SPK_AMX
 // amx.cpp: a chunk of nr <= 16 weight rows against activation groups g0 .. g0 + ng - 1 on AMX

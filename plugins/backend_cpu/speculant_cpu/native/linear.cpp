@@ -69,12 +69,27 @@ Act g_act;
 // row (measured on a Sapphire Rapids core, the 1.5B model's weights, one thread: about even at 5
 // rows for Q4_K's decode arithmetic).
 int g_amx_min_rows = 5;
-// Q4_K calls in its decode arithmetic with at least this many rows (Q6_K ones in its canonical
-// form: twice as many) that do not take AMX take the tiled VNNI kernels (0: never). Measured on
-// the 1.5B's Q4_K FFN matrices, 2 cores without AMX: 8 rows 1.0-1.3x the per-row kernels, 16 rows
-// 2.0-2.6x, 512 rows 2.2-2.8x.
+// Q4_K calls with at least this many rows that do not take AMX take the tiled VNNI kernels (0:
+// never); Q6_K ones in the forms with one sum per block too where their rows are long, and from
+// 2x + 4 rows where they are short (tiled_min_rows()). Measured on the 1.5B's matrices, 2 cores
+// without AMX: 16 rows 2.0-2.6x the per-row kernels, 512 rows 2.2-2.8x; 8 rows (groups of 8 rows)
+// 1.2-1.5x with the weights in cache, even in whole forwards (weights from memory), where 6 rows
+// took 1.2x longer tiled (103 against 86 ms a forward) though 1.0-1.1x faster in cache.
 int g_tiled_min_rows = 8;
-int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX, 3 VNNI on the AMX layout
+
+// Q6_K's rows of up to this many values stay on the per-row kernels longer: there 8 activation
+// rows of k bytes stay in L1 while a weight row streams past, and a Q6_K block costs the tiled
+// kernels more (16 scales to multiply in, against Q4_K's 8). The output head (k = 1536, 191 MB)
+// took 12.5 ms on the per-row kernels at 8 rows against 15.1 tiled, and about even at 16 rows;
+// the Q6_K FFN-down matrices (k = 8960) 0.93 against 0.60 ms at 8 rows.
+constexpr int64_t Q6K_SHORT_ROW = 4096;
+
+// The row count from which a call that does not take AMX takes the tiled kernels.
+int tiled_min_rows(int qtype, int64_t k) {
+    if (qtype == T_Q6_K && k <= Q6K_SHORT_ROW) return 2 * g_tiled_min_rows + 4;
+    return g_tiled_min_rows;
+}
+int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX, 3 VNNI on the AMX layout, 4 its groups of 8 rows
 
 }  // namespace
 }  // namespace spk
@@ -94,8 +109,9 @@ int spk_set_amx_min_rows(int rows) {
     return old;
 }
 
-// As spk_set_amx_min_rows, for the tiled VNNI kernels (q4k_tiled_rows, q6k_tiled_rows: activations in the
-// AMX layout), which calls that do not take AMX take from this many rows (0: never).
+// As spk_set_amx_min_rows, for the tiled VNNI kernels (tiled.cpp, tiled_pairs.cpp: activations in
+// the AMX layout), which calls that do not take AMX take from this many rows (0: never; Q6_K with
+// rows of up to 4096 values from twice as many plus 4, see tiled_min_rows).
 int spk_set_tiled_min_rows(int rows) {
     std::lock_guard<std::mutex> lock(g_call_mu);
     const int old = g_tiled_min_rows;
@@ -103,7 +119,8 @@ int spk_set_tiled_min_rows(int rows) {
     return old;
 }
 
-// Which path the last spk_linear call took: 1 the VNNI kernels, 2 the AMX kernel, 3 the tiled VNNI kernels.
+// Which path the last spk_linear call took: 1 the VNNI kernels, 2 the AMX kernel, 3 the tiled VNNI
+// kernels, 4 the tiled VNNI kernels on groups of 8 rows (tiled_pairs.cpp).
 int spk_last_path() { return g_last_path; }
 
 // Does the library have a kernel for this GGML type and row length?
@@ -130,18 +147,19 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
 #else
     const bool amx = false;
 #endif
-    // Q6_K from twice the rows: one activation group's 16 lanes cost the same however many are
-    // used, and the output head (k = 1536, 191 MB of Q6_K) at 8 rows took 13.9 ms tiled against
-    // 8.0 on the per-row kernels (even at 16 rows; its FFN matrices, k = 8960, gain from 8).
-    const int tiled_from = qtype == T_Q6_K ? 2 * g_tiled_min_rows : g_tiled_min_rows;
+    const int tiled_from = tiled_min_rows(qtype, k);
     // Every Q4_K mode, and Q6_K's forms with one integer sum per block (as AMX).
     const bool tiled = SPK_AVX512 && !amx && (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_tiled_min_rows > 0 &&
                        m >= tiled_from;
-    g_last_path = amx ? 2 : tiled ? 3 : 1;
+    // The tiled kernels' groups of 8 rows (two weight rows per zmm) where 16-row groups would
+    // leave the last one half empty or worse: up to 8 rows, 17-24, 33-40, 49-56 (few-row calls).
+    const bool pairs = tiled && m <= ACT_TILE && m % 16 != 0 && m % 16 <= 8;
+    g_last_path = amx ? 2 : pairs ? 4 : tiled ? 3 : 1;
     Act& a = g_act;
     a.nb = nb;
     a.bsize = bv;
-    const int64_t groups = (m + 15) / 16;
+    const int group_rows = pairs ? 8 : 16;
+    const int64_t groups = (m + group_rows - 1) / group_rows;
     if (amx || tiled) {
         a.bt.resize((size_t)groups * nb * 4096);
         a.dt.resize((size_t)groups * nb * 16);
@@ -159,7 +177,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     const int64_t items = amx || tiled ? groups * nb : m;
     auto quantize = [&](int64_t i) {
         if (amx || tiled)
-            quantize_q8k_block_amx(x, m, k, nb, qtype == T_Q4_K, qtype == T_Q4_K && !prompt, i / nb, (int)(i % nb), a);
+            quantize_q8k_block_amx(x, m, k, nb, qtype == T_Q4_K, qtype == T_Q4_K && !prompt, i / nb, (int)(i % nb), a, pairs);
         else if (bv == 256)
             quantize_q8k_row(x + i * k, nb, qtype == T_Q4_K && Q4K_ACT_INTERLEAVED, a.qs.data() + i * nb * 256, a.d.data() + i * nb,
                              a.bs16.data() + i * nb * 16, a.bs32.data() + i * nb * 8);
@@ -188,14 +206,13 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     }
 
     const uint8_t* W = (const uint8_t*)weights;
-#ifdef SPK_AMX
     const int64_t w_bytes = n * (int64_t)row_bytes;
-#endif
     auto rows = [&](int64_t r0, int64_t r1, int64_t a0, int64_t a1) {
+        // the next chunk of weight rows, which the AMX and tiled kernels prefetch while computing this one
+        [[maybe_unused]] const int64_t pf0 = std::min(w_bytes, r1 * (int64_t)row_bytes);
+        [[maybe_unused]] const int64_t pf1 = std::min(w_bytes, (2 * r1 - r0) * (int64_t)row_bytes);
 #ifdef SPK_AMX
         if (amx) {  // r1 - r0 <= ROW_CHUNK = 16, a0 a multiple of 16, a1 - a0 <= ACT_TILE
-            const int64_t pf0 = std::min(w_bytes, r1 * (int64_t)row_bytes);
-            const int64_t pf1 = std::min(w_bytes, (2 * r1 - r0) * (int64_t)row_bytes);
             const int g0 = (int)(a0 / 16), ng = (int)((a1 - a0 + 15) / 16);
             amx_rows(qtype == T_Q4_K, prompt, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n,
                      W + pf0, pf1 - pf0);
@@ -203,10 +220,16 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         }
 #endif
 #if SPK_AVX512
+        if (pairs) {  // the few-row path: a0 = 0, a1 = m <= ACT_TILE
+            linear_tiled_pairs(qtype, prompt, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, 0, (int)((m + 7) / 8), a0, a1,
+                               y + r0, n, W + pf0, pf1 - pf0);
+            return;
+        }
         if (tiled) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
             const int64_t g0 = a0 / 16;
             const int ng = (int)((a1 - a0 + 15) / 16);
-            linear_tiled(qtype, prompt, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n);
+            linear_tiled(qtype, prompt, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, g0, ng, a0, a1, y + r0, n, W + pf0,
+                         pf1 - pf0);
             return;
         }
 #endif

@@ -120,43 +120,50 @@ void quantize_q8k_row(const float* x, int nb, bool q4k_order, int8_t* qs, float*
 // Q6_K; rows past m are zero rows. One work item is block b of group g, all 16 lanes: a B tile
 // interleaves the lanes every 4 bytes, so two threads each writing their own rows into it would
 // fight over every cache line of it (that made quantizing cost more than the matmul on small
-// calls).
-void quantize_q8k_block_amx(const float* x, int64_t m, int64_t k, int nb, bool q4k, bool q4k_order, int64_t g, int b, Act& a) {
+// calls). `pairs` (the tiled kernels' two-weight-row form, tiled_pairs.cpp): groups of 8 rows,
+// row i in lanes 2 (i % 8) and 2 (i % 8) + 1 of group i / 8, so that one weight row meets the
+// group in the even lanes and another in the odd ones.
+void quantize_q8k_block_amx(const float* x, int64_t m, int64_t k, int nb, bool q4k, bool q4k_order, int64_t g, int b, Act& a,
+                            bool pairs) {
+    const int rows = pairs ? 8 : 16;   // rows per group
+    const int shift = pairs ? 1 : 0;   // lane >> shift: the lane's row in the group
     alignas(64) int8_t q[16][256];
     int16_t bs16[16][16], bs32[16][8];
+    float d[16];
     const int64_t gb = g * nb + b;
-    for (int lane = 0; lane < 16; ++lane) {
-        const int64_t i = g * 16 + lane;
-        float d = 0.f;
+    for (int j = 0; j < rows; ++j) {
+        const int64_t i = g * rows + j;
+        d[j] = 0.f;
         if (i < m) {
-            quantize_q8k_block(x + i * k + 256 * b, q[lane], &d, bs16[lane], bs32[lane]);
+            quantize_q8k_block(x + i * k + 256 * b, q[j], &d[j], bs16[j], bs32[j]);
         } else {
-            std::memset(q[lane], 0, 256);
-            std::memset(bs16[lane], 0, sizeof bs16[lane]);
-            std::memset(bs32[lane], 0, sizeof bs32[lane]);
+            std::memset(q[j], 0, 256);
+            std::memset(bs16[j], 0, sizeof bs16[j]);
+            std::memset(bs32[j], 0, sizeof bs32[j]);
         }
-        a.dt[gb * 16 + lane] = d;
     }
+    for (int lane = 0; lane < 16; ++lane) a.dt[gb * 16 + lane] = d[lane >> shift];
     // the tile: dword v of every lane, v = 0 .. 63; q4k_order: within each 128 values, the
     // 32-value segments in the order 0, 2, 1, 3
     int32_t* bt = (int32_t*)(a.bt.data() + gb * 4096);
     for (int v = 0; v < 64; ++v) {
         const int w = v % 32, seg = w / 8;
         const int src = q4k_order ? (v - w) + (seg == 1 ? 2 : seg == 2 ? 1 : seg) * 8 + w % 8 : v;
-        for (int lane = 0; lane < 16; ++lane) std::memcpy(bt + 16 * v + lane, q[lane] + 4 * src, 4);
+        for (int lane = 0; lane < 16; ++lane) std::memcpy(bt + 16 * v + lane, q[lane >> shift] + 4 * src, 4);
     }
     int32_t* bp = a.bp.data() + gb * 64;
     if (!q4k && !a.bq.empty()) {
         int32_t* bq = a.bq.data() + gb * 128;
         for (int lane = 0; lane < 16; ++lane)
-            for (int p = 0; p < 8; ++p) bq[16 * p + lane] = pair16(bs16[lane][2 * p], bs16[lane][2 * p + 1]);
+            for (int p = 0; p < 8; ++p) bq[16 * p + lane] = pair16(bs16[lane >> shift][2 * p], bs16[lane >> shift][2 * p + 1]);
     }
     for (int lane = 0; lane < 16; ++lane) {
+        const int j = lane >> shift;
         if (q4k) {
-            for (int p = 0; p < 4; ++p) bp[16 * p + lane] = pair16(bs32[lane][2 * p], bs32[lane][2 * p + 1]);
+            for (int p = 0; p < 4; ++p) bp[16 * p + lane] = pair16(bs32[j][2 * p], bs32[j][2 * p + 1]);
         } else {
             int s = 0;
-            for (int j = 0; j < 16; ++j) s += bs16[lane][j];
+            for (int t = 0; t < 16; ++t) s += bs16[j][t];
             bp[lane] = s;
         }
     }

@@ -23,9 +23,6 @@ namespace spk SPK_HIDDEN {
 // same integer isum and msum as dot_q4k's, and the same canonical epilogue lane-wise, so the bits
 // are the other kernels' (the tests compare them).
 
-// The sub-block of each 32-byte run of q4k_values' bytes: zmm z holds sub-blocks (0,2), (1,3), (4,6), (5,7).
-constexpr int Q4K_RUN_SUB[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-
 // Up to R = 8 weight rows against ng activation groups: eight independent vpdpbusd chains (their
 // latency needs about that many), each activation zmm loaded once for the eight rows (zmm loads
 // are what runs out first), each weight block decoded once for all the groups.
@@ -80,7 +77,7 @@ inline void tiled_pair_isums(const uint8_t (*qb)[256], const int8_t* B, const ui
 // the activations in q4k_order).
 template <bool PAIRS>
 static void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
-                           int64_t i1, float* y, int64_t ldy) {
+                           int64_t i1, float* y, int64_t ldy, ChunkPrefetch& pf) {
     constexpr int R = TILED_ROWS;
     alignas(64) uint8_t qb[R][256];
     alignas(16) uint8_t scm[R][16];  // [sc0..sc7, mn0..mn7] of each row
@@ -94,9 +91,9 @@ static void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
             _mm512_store_ps(macc[g][r], _mm512_setzero_ps());
         }
     for (int b = 0; b < nb; ++b) {
+        pf.block();
         for (int r = 0; r < nr; ++r) {
             const BlockQ4K& blk = ((const BlockQ4K*)(W + r * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ4K));
             d[r] = f16(blk.d);
             dmin[r] = f16(blk.dmin);
             _mm_store_si128((__m128i*)scm[r], q4k_scales(blk));
@@ -156,7 +153,7 @@ static void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
 // instead (the same integer, epilogue_q6k_tiled's rounding).
 template <bool PROMPT>
 static void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng, int64_t i0,
-                           int64_t i1, float* y, int64_t ldy) {
+                           int64_t i1, float* y, int64_t ldy, ChunkPrefetch& pf) {
     constexpr int R = TILED_ROWS;
     alignas(64) uint8_t qb[R][256];
     alignas(16) int8_t scs[R][16];
@@ -167,9 +164,9 @@ static void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
     for (int g = 0; g < ng; ++g)
         for (int r = 0; r < R; ++r) _mm512_store_ps(acc[g][r], _mm512_setzero_ps());
     for (int b = 0; b < nb; ++b) {
+        pf.block();
         for (int r = 0; r < nr; ++r) {
             const BlockQ6K& blk = ((const BlockQ6K*)(W + r * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ6K));
             d[r] = f16(blk.d);
             std::memcpy(scs[r], blk.scales, 16);
             __m512i q[4];
@@ -200,13 +197,19 @@ static void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
         }
 }
 
-// Weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX).
+// Weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX), while
+// [next, next + next_bytes) streams into L2 (each pass of TILED_ROWS rows takes its share).
 void linear_tiled(int qtype, bool prompt, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng,
-                  int64_t i0, int64_t i1, float* y, int64_t ldy) {
+                  int64_t i0, int64_t i1, float* y, int64_t ldy, const uint8_t* next, int64_t next_bytes) {
     const auto kernel = qtype == T_Q4_K ? (prompt ? q4k_tiled_rows<true> : q4k_tiled_rows<false>)
                                         : (prompt ? q6k_tiled_rows<true> : q6k_tiled_rows<false>);
-    for (int r = 0; r < nr; r += TILED_ROWS)
-        kernel(W + r * row_bytes, row_bytes, nb, std::min(TILED_ROWS, nr - r), a, g0, ng, i0, i1, y + r, ldy);
+    const int passes = (nr + TILED_ROWS - 1) / TILED_ROWS;
+    for (int k = 0; k < passes; ++k) {
+        const int64_t from = next_bytes * k / passes, to = next_bytes * (k + 1) / passes;
+        ChunkPrefetch pf(next + from, to - from, nb);
+        const int r = k * TILED_ROWS;
+        kernel(W + r * row_bytes, row_bytes, nb, std::min(TILED_ROWS, nr - r), a, g0, ng, i0, i1, y + r, ldy, pf);
+    }
 }
 
 }  // namespace spk
