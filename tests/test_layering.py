@@ -51,7 +51,7 @@ def test_the_core_imports_no_plugin_or_server_code():
 # The core's public modules (docs/plugins.md, "The core's public API"); the rest is internal.
 PUBLIC_CORE = {"speculant", "speculant.gguf", "speculant.speculator", "speculant.engine", "speculant.sampling",
                "speculant.errors", "speculant.options", "speculant.flags", "speculant.logs", "speculant.plugins",
-               "speculant.testing", "speculant.training"}
+               "speculant.testing", "speculant.training", "speculant.drafting"}
 
 
 def test_plugins_use_only_the_core_s_public_modules():

@@ -23,10 +23,10 @@ each from a distribution that depends on the context only: a valid proposal for 
 """
 from __future__ import annotations
 
-import attrs
 import torch
 
 from speculant import Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model_once
+from speculant.drafting import PositionStates, committed_rows, draft_generator
 from speculant.speculator import SpeculatorConfig
 
 from speculant_dflash.head import DFlashHead
@@ -43,27 +43,6 @@ def load_head(path: str, backend: str, threads: int | None) -> DFlashHead:
         raise SpeculantError(f"{path}: not a DFlash drafter (architecture '{head.info.architecture}'); "
                              "use --spec-type draft-simple for a draft model")
     return head
-
-
-@attrs.define
-class _Seq:
-    g: torch.Tensor  # [capacity, n_embd] float16: g of every position computed so far
-    n_g: int = 0  # g holds positions [0, n_g)
-    written: int = 0  # the drafter's KV holds the context of positions [0, written)
-
-    def put(self, start: int, rows: torch.Tensor) -> bool:
-        """Store g of positions start.. (later positions are forgotten); False if there is a gap."""
-        if start > self.n_g:
-            return False
-        end = start + len(rows)
-        if end > len(self.g):
-            grown = self.g.new_zeros(max(end, 2 * len(self.g)), self.g.shape[1])
-            grown[: self.n_g] = self.g[: self.n_g]
-            self.g = grown
-        self.g[start:end] = rows.to(self.g.dtype)
-        self.n_g = end
-        self.written = min(self.written, start)
-        return True
 
 
 class DFlash:
@@ -116,7 +95,7 @@ class DFlash:
         self.d2t = d2t
         self.block_size = c.block_size
         self.seed = int(config.option("seed", 0) or 0)
-        self.seqs: dict[int, _Seq] = {}
+        self.seqs: dict[int, PositionStates] = {}
 
     # --- what the target computed ------------------------------------------------------------
     def _taps(self, hidden: dict) -> torch.Tensor | None:
@@ -124,19 +103,16 @@ class DFlash:
             return None
         return torch.cat([hidden[l] for l in self.taps], dim=-1)
 
-    def _state(self, seq_id: int) -> _Seq:
+    def _state(self, seq_id: int) -> PositionStates:
         state = self.seqs.get(seq_id)
-        if state is None:
-            state = self.seqs[seq_id] = _Seq(torch.zeros(256, self.head.config.n_embd, dtype=torch.float16))
+        if state is None:  # the context row of position p is computed from g_p alone
+            state = self.seqs[seq_id] = PositionStates(self.head.config.n_embd, state_offset=0, token_offset=None)
         return state
 
     def _store(self, seq_id: int, start: int, hidden: dict, n_valid: int) -> None:
         taps = self._taps(hidden)
-        if taps is None or n_valid <= 0:
-            return
-        state = self._state(seq_id)
-        if not state.put(start, self.head.encode(taps[:n_valid])):
-            state.n_g = min(state.n_g, start)  # a gap: drafting waits until rows line up again
+        if taps is not None and n_valid > 0:
+            self._state(seq_id).put(start, self.head.encode(taps[:n_valid]))  # after a gap, drafting waits
 
     # --- lifecycle -----------------------------------------------------------------------------
     @hookimpl
@@ -151,18 +127,13 @@ class DFlash:
 
     @hookimpl
     def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int) -> None:
-        rows = len(next(iter(hidden.values()))) if hidden else 0
-        n_pending = rows - (len(draft) if draft is not None else 0)
-        # Rows of rejected draft tokens computed states for a history that did not happen.
-        n_valid = min(n_pending + n_accepted, len(seq.tokens) - hidden_start)
-        self._store(seq.seq_id, hidden_start, hidden, n_valid)
+        self._store(seq.seq_id, hidden_start, hidden, committed_rows(seq, draft, n_accepted, hidden, hidden_start))
 
     @hookimpl
     def truncate(self, seq: SequenceView, n: int) -> None:
         state = self.seqs.get(seq.seq_id)
         if state is not None:
-            state.n_g = min(state.n_g, n)
-            state.written = min(state.written, n)  # the context of position p depends on tokens 0..p only
+            state.cut(n)
 
     @hookimpl
     def end(self, seq_id: int) -> None:
@@ -183,12 +154,12 @@ class DFlash:
             seq, state = r.seq, self.seqs.get(r.seq.seq_id)
             n = len(seq.tokens)
             # The block starts at the last token's position n-1: the context is positions 0..n-2.
-            if r.limits.n_max <= 0 or state is None or state.n_g < n - 1 or n < 1:
+            if r.limits.n_max <= 0 or state is None or state.n < n - 1 or n < 1:
                 continue
             self.context.truncate(seq.seq_id, min(state.written, n - 1))
             start = self.context.length(seq.seq_id)
             for lo in range(start, n - 1, CATCH_UP_ROWS):
-                inject.append((seq.seq_id, lo, state.g[lo : min(n - 1, lo + CATCH_UP_ROWS)]))
+                inject.append((seq.seq_id, lo, state.data[lo : min(n - 1, lo + CATCH_UP_ROWS)]))
             drafting.append((i, r))
             blocks.append((seq.seq_id, [seq.tokens[-1]] + [mask] * (self.block_size - 1), min(r.limits.n_max, self.block_size - 1)))
         if not blocks:
@@ -228,8 +199,7 @@ class DFlash:
                     break
                 tokens.append(self._target_id(int(top[j])))
         else:
-            n = len(seq.tokens)
-            gen = torch.Generator().manual_seed(hash((self.seed, seq.seq_id, n, seq.tokens[-1])) & (2**63 - 1))
+            gen = draft_generator(self.seed, seq)
             q = torch.softmax(logits / temperature, -1)
             picks = torch.multinomial(q, 1, generator=gen)[:, 0]
             for j in range(len(q)):

@@ -20,10 +20,10 @@ probabilities, so the engine verifies them by rejection sampling.
 """
 from __future__ import annotations
 
-import attrs
 import torch
 
 from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model_once
+from speculant.drafting import DraftChain, PositionStates, committed_rows, draft_generator, pick_token
 from speculant.speculator import SpeculatorConfig
 
 from speculant_eagle3.head import Eagle3Head
@@ -41,40 +41,6 @@ def load_head(path: str, backend: str, threads: int | None) -> Eagle3Head:
         raise SpeculantError(f"{path}: not an EAGLE3 head (architecture '{head.info.architecture}'); "
                              "use --spec-type draft-simple for a draft model")
     return head
-
-
-@attrs.define
-class _Seq:
-    g: torch.Tensor  # [capacity, n_embd] float16: g of every position computed so far
-    n_g: int = 0  # g holds positions [0, n_g)
-    written: int = 0  # the head's KV holds the real rows of positions [0, written)
-
-    def put(self, start: int, rows: torch.Tensor) -> bool:
-        """Store g of positions start.. (later positions are forgotten); False if there is a gap."""
-        if start > self.n_g:
-            return False
-        end = start + len(rows)
-        if end > len(self.g):
-            grown = self.g.new_zeros(max(end, 2 * len(self.g)), self.g.shape[1])
-            grown[: self.n_g] = self.g[: self.n_g]
-            self.g = grown
-        self.g[start:end] = rows.to(self.g.dtype)
-        self.n_g = end
-        self.written = min(self.written, start)
-        return True
-
-
-@attrs.define
-class _Drafting:
-    index: int
-    seq_id: int
-    n_max: int
-    n_min: int
-    p_min: float
-    temperature: float
-    generator: torch.Generator | None
-    tokens: list[int] = attrs.field(factory=list)
-    probs: list[torch.Tensor] = attrs.field(factory=list)
 
 
 class Eagle3:
@@ -123,7 +89,7 @@ class Eagle3:
             raise SpeculantError(f"EAGLE3 head {config.draft_model} maps draft ids to target id {int(d2t.max())}, beyond the target's vocabulary")
         self.d2t = d2t
         self.seed = int(config.option("seed", 0) or 0)
-        self.seqs: dict[int, _Seq] = {}
+        self.seqs: dict[int, PositionStates] = {}
 
     # --- what the target computed ------------------------------------------------------------
     def _taps(self, hidden: dict) -> torch.Tensor | None:
@@ -131,19 +97,16 @@ class Eagle3:
             return None
         return torch.cat([hidden[l] for l in self.taps], dim=-1)
 
-    def _state(self, seq_id: int) -> _Seq:
+    def _state(self, seq_id: int) -> PositionStates:
         state = self.seqs.get(seq_id)
-        if state is None:
-            state = self.seqs[seq_id] = _Seq(torch.zeros(256, self.head.config.n_embd, dtype=torch.float16))
+        if state is None:  # the head's row P pairs (t_{P+1}, g_P)
+            state = self.seqs[seq_id] = PositionStates(self.head.config.n_embd, state_offset=0, token_offset=1)
         return state
 
     def _store(self, seq_id: int, start: int, hidden: dict, n_valid: int) -> None:
         taps = self._taps(hidden)
-        if taps is None or n_valid <= 0:
-            return
-        state = self._state(seq_id)
-        if not state.put(start, self.head.encode(taps[:n_valid])):
-            state.n_g = min(state.n_g, start)  # a gap: drafting waits until rows line up again
+        if taps is not None and n_valid > 0:
+            self._state(seq_id).put(start, self.head.encode(taps[:n_valid]))  # after a gap, drafting waits
 
     # --- lifecycle -----------------------------------------------------------------------------
     @hookimpl
@@ -158,18 +121,13 @@ class Eagle3:
 
     @hookimpl
     def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int) -> None:
-        rows = len(next(iter(hidden.values()))) if hidden else 0
-        n_pending = rows - (len(draft) if draft is not None else 0)
-        # Rows of rejected draft tokens computed states for a history that did not happen.
-        n_valid = min(n_pending + n_accepted, len(seq.tokens) - hidden_start)
-        self._store(seq.seq_id, hidden_start, hidden, n_valid)
+        self._store(seq.seq_id, hidden_start, hidden, committed_rows(seq, draft, n_accepted, hidden, hidden_start))
 
     @hookimpl
     def truncate(self, seq: SequenceView, n: int) -> None:
         state = self.seqs.get(seq.seq_id)
         if state is not None:
-            state.n_g = min(state.n_g, n)
-            state.written = min(state.written, max(0, n - 1))  # row n-1 pairs g with token n, which may change
+            state.cut(n)
 
     @hookimpl
     def end(self, seq_id: int) -> None:
@@ -184,13 +142,13 @@ class Eagle3:
     @hookimpl
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft | None]:
         out: list[Draft | None] = [None] * len(requests)
-        active: list[_Drafting] = []
+        active: list[DraftChain] = []
         parts: list[tuple[Batch, torch.Tensor]] = []
         for i, r in enumerate(requests):
             seq, state = r.seq, self.seqs.get(r.seq.seq_id)
             n = len(seq.tokens)
             # The first draft step needs g of every position up to the one before the last token.
-            if r.limits.n_max <= 0 or state is None or state.n_g < n - 1 or n < 2:
+            if r.limits.n_max <= 0 or state is None or state.n < n - 1 or n < 2:
                 continue
             # Cut the draft rows of the last proposal; row n-2 is computed again if need be, as
             # its logits give the first draft token.
@@ -199,32 +157,22 @@ class Eagle3:
             tokens = seq.tokens[start + 1 : n]
             while len(tokens) > CATCH_UP_ROWS:  # a prompt's rows, written ahead in pieces
                 self.head.decode(Batch.for_sequence(seq.seq_id, start, tokens[:CATCH_UP_ROWS], logits="none"), self.context,
-                                 state.g[start : start + CATCH_UP_ROWS].float(), self.embed, self.output)
+                                 state.rows(start, start + CATCH_UP_ROWS), self.embed, self.output)
                 start, tokens = start + CATCH_UP_ROWS, tokens[CATCH_UP_ROWS:]
-            parts.append((Batch.for_sequence(seq.seq_id, start, tokens, logits="last"), state.g[start : n - 1]))
+            parts.append((Batch.for_sequence(seq.seq_id, start, tokens, logits="last"), state.rows(start, n - 1)))
             state.written = n - 1
             temperature = float(getattr(seq, "temperature", 0.0) or 0.0)
-            gen = None
-            if temperature > 0:
-                gen = torch.Generator().manual_seed(hash((self.seed, seq.seq_id, n, seq.tokens[-1])) & (2**63 - 1))
-            active.append(_Drafting(i, seq.seq_id, r.limits.n_max, r.limits.n_min, r.limits.p_min, temperature, gen))
+            active.append(DraftChain(i, seq.seq_id, r.limits, temperature, draft_generator(self.seed, seq)))
         try:
             while active:
                 batch = Batch.concat([b for b, _ in parts])
-                logits, prenorm = self.head.decode(batch, self.context, torch.cat([g for _, g in parts]).float(),
-                                                   self.embed, self.output)
+                logits, prenorm = self.head.decode(batch, self.context, torch.cat([g for _, g in parts]), self.embed, self.output)
                 ends = [sum(len(b) for b, _ in parts[: j + 1]) - 1 for j in range(len(parts))]
                 still, parts = [], []
                 for row, (a, end) in enumerate(zip(active, ends)):
-                    token, p, probs = self._pick(logits[row], a)
-                    if p < a.p_min:
-                        self._finish(out, a)
-                        continue
-                    a.tokens.append(token)
-                    if probs is not None:
-                        a.probs.append(probs)
-                    if len(a.tokens) >= a.n_max:
-                        self._finish(out, a)
+                    token, p, probs = pick_token(logits[row], a.temperature, a.generator, self.d2t, self.n_vocab)
+                    if not a.add(token, p, probs):
+                        out[a.index] = a.draft(self.spec_type)
                         continue
                     pos = batch.positions[end] + 1
                     still.append(a)
@@ -236,28 +184,3 @@ class Eagle3:
                 self.seqs[a.seq_id].written = 0
             raise
         return out
-
-    def _pick(self, logits: torch.Tensor, a: _Drafting) -> tuple[int, float, torch.Tensor | None]:
-        """The next draft token (a target id), its probability under the head, and at temperature
-        > 0 the head's distribution over the target's vocabulary that it was sampled from."""
-        logits = logits.float()
-        if a.temperature <= 0:
-            top = int(torch.argmax(logits))
-            p = float(torch.exp(logits[top] - torch.logsumexp(logits, -1)))
-            return self._target_id(top), p, None
-        q = torch.softmax(logits / a.temperature, -1)
-        pick = int(torch.multinomial(q, 1, generator=a.generator))
-        full = torch.zeros(self.n_vocab)
-        if self.d2t is None:
-            full[: min(len(q), self.n_vocab)] = q[: self.n_vocab]
-        else:
-            full[self.d2t] = q
-        return self._target_id(pick), float(q[pick]), full
-
-    def _target_id(self, draft_id: int) -> int:
-        return int(self.d2t[draft_id]) if self.d2t is not None else draft_id
-
-    def _finish(self, out: list[Draft | None], a: _Drafting) -> None:
-        if a.tokens and len(a.tokens) >= a.n_min:
-            probs = torch.stack(a.probs) if a.probs and len(a.probs) == len(a.tokens) else None
-            out[a.index] = Draft(tuple(a.tokens), self.spec_type, probs)

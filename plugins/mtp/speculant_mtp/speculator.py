@@ -31,10 +31,10 @@ from __future__ import annotations
 import os
 import threading
 
-import attrs
 import torch
 
 from speculant import Batch, Draft, DraftLimits, DraftRequest, ModelFileError, SequenceView, SpeculantError, hookimpl
+from speculant.drafting import DraftChain, PositionStates, committed_rows, draft_generator, pick_token
 from speculant.speculator import SpeculatorConfig
 
 from speculant_mtp.head import MtpHead
@@ -88,48 +88,6 @@ def head_source(draft_model: str | None, target) -> str:
                          "(`speculant train mtp` trains one)")
 
 
-@attrs.define
-class _Seq:
-    h: torch.Tensor  # [capacity, n_embd] float16: the target's state at every position computed so far
-    n_h: int = 0  # h holds positions [0, n_h)
-    written: int = 0  # the head's KV holds the real rows of positions [0, written)
-
-    def put(self, start: int, rows: torch.Tensor) -> bool:
-        """Store h of positions start.. (later positions are forgotten); False if there is a gap."""
-        if start > self.n_h:
-            return False
-        end = start + len(rows)
-        if end > len(self.h):
-            grown = self.h.new_zeros(max(end, 2 * len(self.h)), self.h.shape[1])
-            grown[: self.n_h] = self.h[: self.n_h]
-            self.h = grown
-        self.h[start:end] = rows.to(self.h.dtype)
-        self.n_h = end
-        # row q pairs x_q with h_{q-1}: rows past `start` were written with states now replaced
-        self.written = min(self.written, start + 1)
-        return True
-
-    def states(self, start: int, end: int) -> torch.Tensor:
-        """h_{q-1} for the rows q in [start, end), float32: h_{-1} (row 0's) is zero."""
-        out = self.h[max(0, start - 1) : end - 1].float()
-        if start == 0:
-            out = torch.cat([out.new_zeros(1, self.h.shape[1]), out])
-        return out
-
-
-@attrs.define
-class _Drafting:
-    index: int
-    seq_id: int
-    n_max: int
-    n_min: int
-    p_min: float
-    temperature: float
-    generator: torch.Generator | None
-    tokens: list[int] = attrs.field(factory=list)
-    probs: list[torch.Tensor] = attrs.field(factory=list)
-
-
 class Mtp:
     spec_type = "mtp"
 
@@ -155,22 +113,19 @@ class Mtp:
         self.n_vocab = target.info.n_vocab
         self.vocab = self.head.vocab  # token ids of the head's logit columns, or None: all
         self.seed = int(config.option("seed", 0) or 0)
-        self.seqs: dict[int, _Seq] = {}
+        self.seqs: dict[int, PositionStates] = {}
 
     # --- what the target computed ------------------------------------------------------------
-    def _state(self, seq_id: int) -> _Seq:
+    def _state(self, seq_id: int) -> PositionStates:
         state = self.seqs.get(seq_id)
-        if state is None:
-            state = self.seqs[seq_id] = _Seq(torch.zeros(256, self.head.config.n_embd, dtype=torch.float16))
+        if state is None:  # the block's row q pairs (x_q, h_{q-1})
+            state = self.seqs[seq_id] = PositionStates(self.head.config.n_embd, state_offset=-1, token_offset=0)
         return state
 
     def _store(self, seq_id: int, start: int, hidden: dict, n_valid: int) -> None:
         h = hidden.get(self.hidden_layers[0])
-        if h is None or n_valid <= 0:
-            return
-        state = self._state(seq_id)
-        if not state.put(start, h[:n_valid]):
-            state.n_h = min(state.n_h, start)  # a gap: drafting waits until rows line up again
+        if h is not None and n_valid > 0:
+            self._state(seq_id).put(start, h[:n_valid])  # after a gap, drafting waits
 
     # --- lifecycle -----------------------------------------------------------------------------
     @hookimpl
@@ -185,18 +140,13 @@ class Mtp:
 
     @hookimpl
     def accept(self, seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int) -> None:
-        rows = len(next(iter(hidden.values()))) if hidden else 0
-        n_pending = rows - (len(draft) if draft is not None else 0)
-        # Rows of rejected draft tokens computed states for a history that did not happen.
-        n_valid = min(n_pending + n_accepted, len(seq.tokens) - hidden_start)
-        self._store(seq.seq_id, hidden_start, hidden, n_valid)
+        self._store(seq.seq_id, hidden_start, hidden, committed_rows(seq, draft, n_accepted, hidden, hidden_start))
 
     @hookimpl
     def truncate(self, seq: SequenceView, n: int) -> None:
         state = self.seqs.get(seq.seq_id)
         if state is not None:
-            state.n_h = min(state.n_h, n)
-            state.written = min(state.written, n)  # rows q < n pair x_q and h_{q-1}, both kept
+            state.cut(n)
 
     @hookimpl
     def end(self, seq_id: int) -> None:
@@ -211,13 +161,13 @@ class Mtp:
     @hookimpl
     def propose_batch(self, requests: list[DraftRequest]) -> list[Draft | None]:
         out: list[Draft | None] = [None] * len(requests)
-        active: list[_Drafting] = []
+        active: list[DraftChain] = []
         parts: list[tuple[Batch, torch.Tensor]] = []
         for i, r in enumerate(requests):
             seq, state = r.seq, self.seqs.get(r.seq.seq_id)
             n = len(seq.tokens)
             # The first draft step is row n-1: (last token, h_{n-2}).
-            if r.limits.n_max <= 0 or state is None or state.n_h < n - 1 or n < 1:
+            if r.limits.n_max <= 0 or state is None or state.n < n - 1 or n < 1:
                 continue
             # Cut the draft rows of the last proposal; row n-1 is computed again if need be, as
             # its logits give the first draft token.
@@ -226,15 +176,12 @@ class Mtp:
             while n - start > CATCH_UP_ROWS:  # a prompt's rows, written ahead in pieces
                 end = start + CATCH_UP_ROWS
                 self.head.decode(Batch.for_sequence(seq.seq_id, start, seq.tokens[start:end], logits="none"), self.context,
-                                 state.states(start, end))
+                                 state.rows(start, end))
                 start = end
-            parts.append((Batch.for_sequence(seq.seq_id, start, seq.tokens[start:n], logits="last"), state.states(start, n)))
+            parts.append((Batch.for_sequence(seq.seq_id, start, seq.tokens[start:n], logits="last"), state.rows(start, n)))
             state.written = n
             temperature = float(getattr(seq, "temperature", 0.0) or 0.0)
-            gen = None
-            if temperature > 0:
-                gen = torch.Generator().manual_seed(hash((self.seed, seq.seq_id, n, seq.tokens[-1])) & (2**63 - 1))
-            active.append(_Drafting(i, seq.seq_id, r.limits.n_max, r.limits.n_min, r.limits.p_min, temperature, gen))
+            active.append(DraftChain(i, seq.seq_id, r.limits, temperature, draft_generator(self.seed, seq)))
         try:
             while active:
                 batch = Batch.concat([b for b, _ in parts])
@@ -242,15 +189,9 @@ class Mtp:
                 ends = [sum(len(b) for b, _ in parts[: j + 1]) - 1 for j in range(len(parts))]
                 still, parts = [], []
                 for row, (a, end) in enumerate(zip(active, ends)):
-                    token, p, probs = self._pick(logits[row], a)
-                    if p < a.p_min:
-                        self._finish(out, a)
-                        continue
-                    a.tokens.append(token)
-                    if probs is not None:
-                        a.probs.append(probs)
-                    if len(a.tokens) >= a.n_max:
-                        self._finish(out, a)
+                    token, p, probs = pick_token(logits[row], a.temperature, a.generator, self.vocab, self.n_vocab)
+                    if not a.add(token, p, probs):
+                        out[a.index] = a.draft(self.spec_type)
                         continue
                     still.append(a)
                     parts.append((Batch.for_sequence(a.seq_id, batch.positions[end] + 1, [token], logits="last"),
@@ -262,26 +203,3 @@ class Mtp:
                 self.seqs[a.seq_id].written = 0
             raise
         return out
-
-    def _pick(self, logits: torch.Tensor, a: _Drafting) -> tuple[int, float, torch.Tensor | None]:
-        """The next draft token, its probability under the head, and at temperature > 0 the
-        head's distribution over the target's vocabulary that it was sampled from."""
-        logits = logits.float() if self.vocab is not None else logits[: self.n_vocab].float()
-        if a.temperature <= 0:
-            top = int(torch.argmax(logits))
-            return self._token(top), float(torch.exp(logits[top] - torch.logsumexp(logits, -1))), None
-        q = torch.softmax(logits / a.temperature, -1)
-        pick = int(torch.multinomial(q, 1, generator=a.generator))
-        if self.vocab is None:
-            return pick, float(q[pick]), q
-        full = torch.zeros(self.n_vocab)
-        full[self.vocab] = q  # tokens outside the draft vocabulary are never drafted
-        return self._token(pick), float(q[pick]), full
-
-    def _token(self, column: int) -> int:
-        return int(self.vocab[column]) if self.vocab is not None else column
-
-    def _finish(self, out: list[Draft | None], a: _Drafting) -> None:
-        if a.tokens and len(a.tokens) >= a.n_min:
-            probs = torch.stack(a.probs) if a.probs and len(a.probs) == len(a.tokens) else None
-            out[a.index] = Draft(tuple(a.tokens), self.spec_type, probs)

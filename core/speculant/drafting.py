@@ -1,0 +1,139 @@
+"""Bookkeeping for speculators that draft from the target's hidden states (EAGLE3, MTP, DFlash
+and third-party heads): what they keep per sequence between hook calls, and how a chain of
+draft tokens is picked from a head's logits. The head's math stays in its plugin.
+
+Such a speculator keeps one vector per position of each sequence (the target's hidden state, or
+its own encoding of it: :class:`PositionStates`), handed over by the engine's ``prefill`` and
+``accept`` hooks (:func:`committed_rows` says how many of an ``accept``'s rows belong to the
+history that happened), and writes rows of its own KV cache from them lazily, at the next
+proposal. ``written`` tracks how far those KV rows are still right, given the rule the head
+builds row q by: from the state of position q + ``state_offset`` and, for heads that also read a
+token, the token at q + ``token_offset``.
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+
+from speculant.types import Draft, DraftLimits, SequenceView
+
+__all__ = ["DraftChain", "PositionStates", "committed_rows", "draft_generator", "pick_token"]
+
+
+@attrs.define
+class PositionStates:
+    """The states of positions [0, n) of one sequence, float16, and the head's KV rows [0,
+    written) still valid. `state_offset`, `token_offset`: head row q reads the state of position
+    q + state_offset and (None: no token) the token at q + token_offset. EAGLE3 pairs (t_{q+1},
+    g_q): 0 and 1; MTP pairs (x_q, h_{q-1}): -1 and 0; DFlash's context rows read g_q alone: 0
+    and None."""
+
+    width: int
+    state_offset: int = 0
+    token_offset: int | None = None
+    data: torch.Tensor = attrs.field(default=None)
+    n: int = 0
+    written: int = 0
+
+    def __attrs_post_init__(self):
+        if self.data is None:
+            self.data = torch.zeros(256, self.width, dtype=torch.float16)
+
+    def put(self, start: int, rows: torch.Tensor) -> bool:
+        """Store the states of positions start.. (later ones are forgotten); False, and nothing
+        stored, where that would leave a gap."""
+        if start > self.n:
+            return False
+        end = start + len(rows)
+        if end > len(self.data):
+            grown = self.data.new_zeros(max(end, 2 * len(self.data)), self.width)
+            grown[: self.n] = self.data[: self.n]
+            self.data = grown
+        self.data[start:end] = rows.to(self.data.dtype)
+        self.n = end
+        # Rows built from a replaced state were built for a history that did not happen.
+        self.written = min(self.written, max(0, start - self.state_offset))
+        return True
+
+    def cut(self, n: int) -> None:
+        """The history is cut back to n tokens: states of positions >= n are gone, and so are
+        rows that read them or a token at n or later."""
+        self.n = min(self.n, n)
+        limit = n - self.state_offset if self.token_offset is None else min(n - self.state_offset, n - self.token_offset)
+        self.written = min(self.written, max(0, limit))
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """The states head rows [start, end) read, float32; a position before 0 reads zeros (MTP's
+        first row, as llama.cpp's first batch)."""
+        lo, hi = start + self.state_offset, end + self.state_offset
+        out = self.data[max(0, lo) : hi].float()
+        if lo < 0:
+            out = torch.cat([out.new_zeros(min(-lo, hi - lo), self.width), out])
+        return out
+
+
+def committed_rows(seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int) -> int:
+    """How many of the rows an ``accept`` hook hands over (starting at position `hidden_start`)
+    belong to the history: the rows fed before the draft, plus those of accepted draft tokens.
+    Rows of rejected draft tokens computed states for a history that did not happen."""
+    rows = len(next(iter(hidden.values()))) if hidden else 0
+    n_pending = rows - (len(draft) if draft is not None else 0)
+    return max(0, min(n_pending + n_accepted, len(seq.tokens) - hidden_start))
+
+
+def draft_generator(seed: int, seq: SequenceView) -> torch.Generator | None:
+    """The random stream a draft at temperature > 0 samples from, fixed by the sequence's state
+    (the same history drafts the same tokens); None at temperature 0."""
+    if float(getattr(seq, "temperature", 0.0) or 0.0) <= 0:
+        return None
+    return torch.Generator().manual_seed(hash((seed, seq.seq_id, len(seq.tokens), seq.tokens[-1])) & (2**63 - 1))
+
+
+def pick_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None, columns: torch.Tensor | None,
+               n_vocab: int) -> tuple[int, float, torch.Tensor | None]:
+    """The next draft token from one row of a head's logits: (target token id, its probability
+    under the head, and at temperature > 0 the head's distribution over the target's vocabulary
+    that it was sampled from, for the engine's rejection sampling). `columns`: the target id of
+    each logit column (a draft vocabulary), or None where column i is token i."""
+    logits = logits.float() if columns is not None else logits[:n_vocab].float()
+    token = (lambda c: int(columns[c])) if columns is not None else int
+    if temperature <= 0:
+        top = int(torch.argmax(logits))
+        return token(top), float(torch.exp(logits[top] - torch.logsumexp(logits, -1))), None
+    q = torch.softmax(logits / temperature, -1)
+    pick = int(torch.multinomial(q, 1, generator=generator))
+    full = torch.zeros(n_vocab)
+    if columns is None:
+        full[: len(q)] = q
+    else:
+        full[columns] = q  # tokens outside the draft vocabulary are never drafted
+    return token(pick), float(q[pick]), full
+
+
+@attrs.define
+class DraftChain:
+    """One sequence's draft being built a token at a time (EAGLE3's and MTP's draft steps):
+    `add` takes each pick and says whether to go on; `draft` is the result."""
+
+    index: int  # the request's place in propose_batch's list
+    seq_id: int
+    limits: DraftLimits
+    temperature: float
+    generator: torch.Generator | None
+    tokens: list[int] = attrs.field(factory=list)
+    probs: list[torch.Tensor] = attrs.field(factory=list)
+
+    def add(self, token: int, p: float, probs: torch.Tensor | None) -> bool:
+        """Append a pick; False when the chain ends (below p_min, the pick is dropped; at n_max)."""
+        if p < self.limits.p_min:
+            return False
+        self.tokens.append(token)
+        if probs is not None:
+            self.probs.append(probs)
+        return len(self.tokens) < self.limits.n_max
+
+    def draft(self, spec_type: str) -> Draft | None:
+        if not self.tokens or len(self.tokens) < self.limits.n_min:
+            return None
+        probs = torch.stack(self.probs) if self.probs and len(self.probs) == len(self.tokens) else None
+        return Draft(tuple(self.tokens), spec_type, probs)

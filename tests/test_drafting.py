@@ -1,0 +1,65 @@
+"""speculant.drafting: the per-sequence bookkeeping hidden-state speculators share."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculant.drafting import DraftChain, PositionStates, committed_rows, pick_token
+from speculant.types import Draft, DraftLimits, SequenceView
+
+
+def rows(start, end, width=4):
+    return torch.arange(start, end, dtype=torch.float32)[:, None].repeat(1, width)
+
+
+@pytest.mark.parametrize("state_offset,token_offset,cut_to,put_from", [(0, 1, 9, 10), (-1, 0, 10, 11), (0, None, 10, 10)])
+def test_written_follows_what_each_row_reads(state_offset, token_offset, cut_to, put_from):
+    """EAGLE3 (row q: g_q and t_{q+1}), MTP (x_q, h_{q-1}), DFlash (g_q): cutting the history to 10
+    tokens keeps rows that read only positions < 10; replacing states from 10 keeps rows before
+    10 - state_offset."""
+    s = PositionStates(4, state_offset, token_offset)
+    assert s.put(0, rows(0, 300)) and s.n == 300 and len(s.data) >= 300  # grows
+    s.written = 299
+    s.cut(10)
+    assert s.n == 10 and s.written == cut_to
+    s.written = 10
+    assert s.put(10, rows(10, 12)) and s.written == min(10, put_from)
+    assert not s.put(20, rows(20, 21)) and s.n == 12  # a gap: nothing stored
+
+
+def test_rows_read_the_offset_states_and_zeros_before_zero():
+    s = PositionStates(4, state_offset=-1, token_offset=0)
+    s.put(0, rows(0, 5))
+    got = s.rows(0, 3)
+    assert got.dtype == torch.float32 and got[:, 0].tolist() == [0.0, 0.0, 1.0]  # h_{-1} = 0, h_0, h_1
+    assert PositionStates(4).rows(0, 0).shape == (0, 4)
+
+
+def test_committed_rows_drop_rejected_draft_rows():
+    seq = SequenceView(1, tuple(range(13)), 5, 0.0)
+    hidden = {0: torch.zeros(5, 4)}  # 1 pending token + a draft of 4
+    assert committed_rows(seq, Draft((1, 2, 3, 4), "x"), 2, hidden, 9) == 3
+    assert committed_rows(seq, None, 0, {}, 9) == 0
+
+
+def test_chain_stops_at_p_min_and_n_max_and_keeps_probabilities():
+    chain = DraftChain(0, 1, DraftLimits(n_max=2, n_min=0, p_min=0.3), 1.0, None)
+    assert chain.add(5, 0.9, torch.ones(3))
+    assert not chain.add(6, 0.8, torch.ones(3))  # n_max
+    draft = chain.draft("x")
+    assert draft.tokens == (5, 6) and draft.spec_type == "x" and torch.equal(draft.probs, torch.ones(2, 3))
+    low = DraftChain(0, 1, DraftLimits(n_max=4, n_min=2, p_min=0.3), 0.0, None)
+    assert low.add(5, 0.9, None) and not low.add(6, 0.1, None)
+    assert low.tokens == [5] and low.draft("x") is None  # below n_min
+
+
+def test_pick_token_maps_columns_and_returns_the_sampled_distribution():
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    columns = torch.tensor([7, 2, 9])
+    token, p, probs = pick_token(logits, 0.0, None, columns, 10)
+    assert token == 2 and p == pytest.approx(float(torch.softmax(logits, -1)[1])) and probs is None
+    token, p, probs = pick_token(logits, 1.0, torch.Generator().manual_seed(0), columns, 10)
+    assert token in (7, 2, 9) and probs.shape == (10,) and float(probs.sum()) == pytest.approx(1.0)
+    assert probs[[0, 1, 3, 4, 5, 6, 8]].abs().sum() == 0 and float(probs[token]) == pytest.approx(p)
+    token, _, probs = pick_token(torch.tensor([0.0, 1.0, 9.0, 9.5]), 0.0, None, None, 3)  # padded head rows never picked
+    assert token == 2
