@@ -136,14 +136,14 @@ def amx_min_rows():
 @pytest.fixture
 def tiled_min_rows():
     """Set the row count from which Q4_K calls that do not take AMX take the tiled VNNI kernels
-    (Q6_K ones too where k > 4096, else from twice as many plus 4: tiled_from_rows)."""
+    (Q6_K ones too where k > 4096, else from twice as many: tiled_from_rows)."""
     yield from _path_threshold(lib.spk_set_tiled_min_rows)
 
 
 def tiled_from_rows(qtype, k: int, rows: int) -> int:
     """linear.cpp's tiled_min_rows: the row count from which a call takes the tiled kernels when
     spk_set_tiled_min_rows(rows) (rows > 0) is in force."""
-    return 2 * rows + 4 if qtype == Q.Q6_K and k <= 4096 else rows
+    return 2 * rows if qtype == Q.Q6_K and k <= 4096 else rows
 
 
 # --- llama.cpp's arithmetic for the K-quants, emulated in numpy ---------------------------------
@@ -581,7 +581,7 @@ def test_q6k_canonical_rows_are_row_invariant_on_both_paths(n, k, amx_min_rows, 
             assert torch.equal(run_mode(raw, Q.Q6_K, n, k, x[:m], 2), alone[:m]), f"{m} rows, AMX from {amx}, tiled from {tiled}"
     amx_min_rows(0)
     tiled_min_rows(1)
-    for m in (6, 17, 32):  # from 6 rows where k <= 4096, else from 1 (tiled_min_rows(1))
+    for m in (2, 17, 32):  # from 2 rows where k <= 4096, else from 1 (tiled_min_rows(1))
         run_mode(raw, Q.Q6_K, n, k, x[:m], 2)
         assert lib.spk_last_path() == tiled_path(m)  # the tiled kernels did run
     kinds = np.where(np.arange(len(x)) % 3 == 0, 4, 0).astype(np.uint8)  # mixed with llama.cpp-decode rows

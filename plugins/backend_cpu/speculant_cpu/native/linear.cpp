@@ -71,7 +71,7 @@ Act g_act;
 int g_amx_min_rows = 5;
 // Q4_K calls with at least this many rows that do not take AMX take the tiled VNNI kernels (0:
 // never); Q6_K ones in the forms with one sum per block too where their rows are long, and from
-// 2x + 4 rows where they are short (tiled_min_rows()). Measured on the 1.5B's matrices, 2 cores
+// twice as many where they are short (tiled_min_rows()). Measured on the 1.5B's matrices, 2 cores
 // without AMX: 16 rows 2.0-2.6x the per-row kernels, 512 rows 2.2-2.8x; 8 rows (groups of 8 rows)
 // 1.2-1.5x with the weights in cache, even in whole forwards (weights from memory), where 6 rows
 // took 1.2x longer tiled (103 against 86 ms a forward) though 1.0-1.1x faster in cache.
@@ -86,7 +86,7 @@ constexpr int64_t Q6K_SHORT_ROW = 4096;
 
 // The row count from which a call that does not take AMX takes the tiled kernels.
 int tiled_min_rows(int qtype, int64_t k) {
-    if (qtype == T_Q6_K && k <= Q6K_SHORT_ROW) return 2 * g_tiled_min_rows + 4;
+    if (qtype == T_Q6_K && k <= Q6K_SHORT_ROW) return 2 * g_tiled_min_rows;
     return g_tiled_min_rows;
 }
 int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX, 3 VNNI on the AMX layout, 4 its groups of 8 rows
@@ -111,7 +111,7 @@ int spk_set_amx_min_rows(int rows) {
 
 // As spk_set_amx_min_rows, for the tiled VNNI kernels (tiled.cpp, tiled_pairs.cpp: activations in
 // the AMX layout), which calls that do not take AMX take from this many rows (0: never; Q6_K with
-// rows of up to 4096 values from twice as many plus 4, see tiled_min_rows).
+// rows of up to 4096 values from twice as many, see tiled_min_rows).
 int spk_set_tiled_min_rows(int rows) {
     std::lock_guard<std::mutex> lock(g_call_mu);
     const int old = g_tiled_min_rows;
