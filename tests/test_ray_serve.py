@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -61,6 +63,7 @@ def endpoint(tmp_path_factory):
     add_serve_args(parser)
     args = parser.parse_args(["-m", str(model), "--ray", "--ray-replicas", "2", "-t", "1", "-np", "2", "-c", "1024",
                               "--port", "0", "--max-body-size", "100000", "--shutdown-timeout", "2"])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     url, started = ray_app.deploy(args)
     assert started
     try:
@@ -68,6 +71,8 @@ def endpoint(tmp_path_factory):
     finally:
         before = descendants(os.getpid())
         ray_app.shutdown(started)
+        for sig, handler in handlers.items():  # ray.init installs its own
+            signal.signal(sig, handler)
         deadline = time.time() + 20
         while time.time() < deadline and any(alive(p) for p in before):
             time.sleep(0.2)
@@ -198,35 +203,60 @@ def kill_replica(unique_id: str) -> None:
     ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
 
 
+def running_on(url, replica: str) -> int:
+    _, _, body = call(url, "/slots")
+    return sum(s["is_processing"] for s in json.loads(body) if s["replica"] == replica)
+
+
 def test_a_killed_replica_comes_back_and_no_request_is_lost(endpoint):
     messages = [{"role": "system", "content": "You write long programs."}, {"role": "user", "content": "write a long C file"}]
     _, victim = chat(endpoint, messages)
-    long = {"messages": messages, "max_tokens": 600}
+    long = {"messages": messages, "max_tokens": 900}
+    deaths = metric(endpoint, "speculant:ray_replica_deaths_total")
+
+    streaming = threading.Event()
 
     def one(i):
         stream = i == 0
-        status, headers, body = call(endpoint, "/v1/chat/completions", {**long, "stream": stream})
-        return stream, status, headers.get(REPLICA_HEADER), body
+        # Each its own next turn of the conversation: its replica takes them at once (requests
+        # for the very same prompt would wait for one another there, to share its prefill).
+        turn = {**long, "messages": messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"part {i}"}]}
+        if not stream:
+            status, headers, body = call(endpoint, "/v1/chat/completions", turn)
+            return stream, status, headers.get(REPLICA_HEADER), body
+        req = urllib.request.Request(endpoint + "/v1/chat/completions", data=json.dumps({**turn, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            first = r.readline()
+            streaming.set()
+            return stream, r.status, r.headers.get(REPLICA_HEADER), first + r.read()
 
-    with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        futures = [pool.submit(one, i) for i in range(5)]
-        time.sleep(1.0)  # they are running on the victim (the conversation's replica)
+    # Four requests of the conversation: all on its replica (--ray-max-ongoing is 2 x -np = 4),
+    # two generating in its slots and two waiting in its queue when it is killed.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(4)]
+        t0 = time.time()
+        assert streaming.wait(TIMEOUT)
+        while running_on(endpoint, victim) < 2 and time.time() < t0 + TIMEOUT:
+            time.sleep(0.02)
         kill_replica(victim)
         results = [f.result(timeout=TIMEOUT) for f in futures]
 
     for stream, status, replica, body in results:
-        if stream:  # its bytes had started: complete, or ended by an error event, once
+        if stream:  # its bytes had started: it ends with an error event, and [DONE] once
             events = [e[6:] for e in body.decode().split("\n\n") if e.startswith("data: ")]
-            assert status == 200 and events.count("[DONE]") == 1
-            last = json.loads(events[-2])
-            assert "error" in last or last["choices"][0]["finish_reason"] is not None
-        else:  # a whole answer: retried on the other replica if the victim died under it, answered once
-            assert status == 200, body
+            assert status == 200 and replica == victim and events.count("[DONE]") == 1
+            assert "error" in json.loads(events[-2]), events[-2]
+        else:  # a whole answer, once: from the victim if it ended before the kill, else retried
+            assert status == 200, (status, body[:200])
             answer = json.loads(body)
             assert len(answer["choices"]) == 1 and answer["choices"][0]["finish_reason"] in ("length", "stop")
-    assert metric(endpoint, "speculant:ray_replica_deaths_total") >= 1
-    retried = {replica for stream, _, replica, _ in results if not stream} - {victim}
-    assert retried, "no request was in flight on the victim"
+    retried = [i for i, (stream, _, replica, _) in enumerate(results) if not stream and replica != victim]
+    assert retried  # the one in the victim's other slot at least
+    assert metric(endpoint, "speculant:ray_replica_deaths_total") - deaths == 1 + len(retried)
+    assert metric(endpoint, "speculant:ray_requests_failed_total") == 1  # the stream; the others were retried
+    survivor = {results[i][2] for i in retried}
+    assert len(survivor) == 1
 
     deadline = time.time() + 90  # Serve starts a new replica in the victim's place
     while time.time() < deadline:
@@ -238,6 +268,7 @@ def test_a_killed_replica_comes_back_and_no_request_is_lost(endpoint):
     _, _, body = call(endpoint, "/slots")
     replicas = {s["replica"] for s in json.loads(body)}
     assert victim not in replicas and len(replicas) == 2
-    # The conversation now lives where its retries ran; its next turns stay there.
-    turn = messages + [{"role": "assistant", "content": "int main(void) { return 0; }"}, {"role": "user", "content": "more"}]
-    assert {chat(endpoint, turn)[1] for _ in range(3)} == retried
+    # A retried turn's conversation now lives where it ran: its next turns stay there.
+    turn = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"part {retried[0]}"},
+                       {"role": "assistant", "content": "(shortened)"}, {"role": "user", "content": "more"}]
+    assert {chat(endpoint, turn)[1] for _ in range(3)} == survivor

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shlex
 import signal
 import socket
@@ -24,6 +25,7 @@ APP_NAME = "speculant"
 ENGINE = "SpeculantEngine"
 INGRESS = "SpeculantIngress"
 ROUTER_CLASS = "speculant_server.ray_router.AffinityRouter"
+FANOUT_HEADROOM = 16  # Serve's per-replica limit above the router's: room for /metrics and /slots calls
 
 
 def require_ray():
@@ -65,16 +67,19 @@ def build_app(args):
     from speculant_server.ray_replica import EngineReplica
 
     cpus, _ = replica_resources(args)
+    # Requests a replica takes at once: its slots and as many waiting; more go to the least loaded
+    # replica, even for a known conversation, instead of queueing behind it. The router enforces
+    # it; Serve's own limit is above it, so that /metrics and /slots still reach a full replica.
+    max_ongoing = args.ray_max_ongoing or 2 * args.parallel
     engine = serve.deployment(EngineReplica, name=ENGINE).options(
         num_replicas=args.ray_replicas,
         ray_actor_options={"num_cpus": cpus},
-        # Requests a replica takes at once: its slots and as many waiting; more go to the least
-        # loaded replica, even for a known conversation, instead of queueing behind it.
-        max_ongoing_requests=args.ray_max_ongoing or 2 * args.parallel,
-        max_queued_requests=args.queue_size or -1,  # per caller; beyond it: 503
+        max_ongoing_requests=max_ongoing + FANOUT_HEADROOM,
+        max_queued_requests=args.queue_size or -1,  # waiting in the ingress for a replica; beyond it: 503
         health_check_period_s=2.0, health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=args.shutdown_timeout + 1,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                                  request_router_kwargs={"max_ongoing": max_ongoing}),
     )
     ingress = serve.deployment(Ingress, name=INGRESS).options(
         num_replicas=1,  # one routing table: see ray_router.py
@@ -112,12 +117,18 @@ def check(args):
 
 
 def free_port(host: str, port: int) -> int:
-    """`port`, checked free (Serve's proxy cannot take 0: a free one is picked for it)."""
-    try:
-        with socket.create_server((host, port)) as s:
-            return s.getsockname()[1]
-    except OSError as e:
-        raise SpeculantError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    """`port`, checked free; for 0, a free one (Serve's proxy cannot take 0). It is drawn from
+    20000-32767, below Linux's ephemeral ports and above Ray's worker ports (10002-19999): the
+    processes Ray starts before the proxy binds take theirs from those ranges, so cannot take it
+    in between."""
+    candidates = [port] if port else random.sample(range(20000, 32768), 64)
+    for candidate in candidates:
+        try:
+            with socket.create_server((host, candidate)):
+                return candidate
+        except OSError as e:
+            error = e
+    raise SpeculantError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
 def deploy(args, after_init=None) -> tuple[str, bool]:

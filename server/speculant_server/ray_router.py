@@ -5,8 +5,8 @@ argument: its conversation so far, and each prefix of it. The router remembers w
 each request's whole conversation went to, and sends a request to the replica of its longest
 prefix that some earlier request sent whole: the one holding that conversation's prompt cache
 and suffix history. A request with no known key, or whose replica is gone, goes to the least loaded
-replica (Serve's queue lengths, plus the requests chosen and not yet sent); so does one whose
-replica is full (max_ongoing requests reached), rather than waiting behind it. Keys of the form ``replica:ID`` name a replica
+replica (the requests in flight the router counts itself); so does one whose replica is full
+(--ray-max-ongoing requests in flight), rather than waiting behind it. Keys of the form ``replica:ID`` name a replica
 outright: the ingress fans /metrics and /slots out with them.
 
 It is a plain ``RequestRouter``, without the FIFO mixin: Serve's FIFO mixin may hand the replica
@@ -48,12 +48,13 @@ def request_keys(pending_request: PendingRequest | None) -> list[str]:
 
 
 class AffinityRouter(RequestRouter):
-    def initialize_state(self, max_keys: int = 200_000):
+    def initialize_state(self, max_ongoing: int = 8, max_keys: int = 200_000):
         self._owner: OrderedDict[str, ReplicaID] = OrderedDict()
         self._reserved: dict[int, tuple] = {}  # id(request) -> (it, its first choice, when)
         self._sent: dict[tuple[ReplicaID, str], int] = {}  # (replica, internal request id) -> requests not completed
         self._load: dict[ReplicaID, int] = {}  # replica -> requests sent to it, not completed
         self._max_keys = max_keys
+        self._max_ongoing = max_ongoing  # --ray-max-ongoing: requests a replica takes at once (fan-outs aside)
         self.stats = RoutingStats()
         # Through the imported module, not this module's globals: Serve ships the router class
         # by value (cloudpickle), and the copy's globals are a dict of its own.
@@ -84,15 +85,18 @@ class AffinityRouter(RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == wanted]]
         self._reserved.pop(id(pending_request), None)  # this request's own earlier choice is not load
         owner = self.owner(keys)
-        order = self.least_loaded(candidate_replicas)
+        # Full replicas are left out (none left: Serve waits and asks again). The limit is ours,
+        # not Serve's max_ongoing_requests, which ray_app.py sets higher: Serve's would also
+        # refuse the /metrics and /slots fan-outs to a busy replica, until a request ended.
+        order = [r for r, load in self.least_loaded(candidate_replicas) if load < self._max_ongoing]
         if owner is not None:
             order = [r for r in order if r.replica_id == owner] + [r for r in order if r.replica_id != owner]
         if order:  # counted against that replica until Serve's own count has the request (on_request_routed)
             self._reserved[id(pending_request)] = (pending_request, order[0].replica_id, time.monotonic())
         return [[r] for r in order]
 
-    def least_loaded(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
-        """The candidates by load, least first, ties in random order. Load is the requests this
+    def least_loaded(self, candidates: list[RunningReplica]) -> list[tuple[RunningReplica, int]]:
+        """The candidates and their loads, least first, ties in random order. Load is the requests this
         router sent to the replica that have not completed, plus those it chose the replica for
         and has not sent yet: many requests arriving together would otherwise all see the same
         loads and pick the same replica. Counted here rather than read from Serve's cached queue
@@ -108,8 +112,8 @@ class AffinityRouter(RequestRouter):
         reserved: dict[ReplicaID, int] = {}
         for _, replica, _ in self._reserved.values():
             reserved[replica] = reserved.get(replica, 0) + 1
-        return sorted(candidates, key=lambda r: (self._load.get(r.replica_id, 0) + reserved.get(r.replica_id, 0),
-                                                 random.random()))
+        loads = [(r, self._load.get(r.replica_id, 0) + reserved.get(r.replica_id, 0), random.random()) for r in candidates]
+        return [(r, load) for r, load, _ in sorted(loads, key=lambda x: (x[1], x[2]))]
 
     def load(self) -> dict[str, int]:
         """Requests sent and not completed, by replica id (the ingress exports them)."""
