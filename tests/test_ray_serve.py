@@ -272,3 +272,35 @@ def test_a_killed_replica_comes_back_and_no_request_is_lost(endpoint):
     turn = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"part {retried[0]}"},
                        {"role": "assistant", "content": "(shortened)"}, {"role": "user", "content": "more"}]
     assert {chat(endpoint, turn)[1] for _ in range(3)} == survivor
+
+
+def test_a_replica_that_cannot_load_its_model_is_a_one_line_error(tmp_path):
+    """`speculant serve --ray` with a file that is not a model: the replicas' own error in one
+    line, exit status 2, and the local cluster it started gone with it."""
+    import subprocess
+    import sys
+
+    def ray_daemons() -> set[int]:
+        out = set()
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/comm") as f:
+                    if f.read().strip() in ("raylet", "gcs_server"):
+                        out.add(int(entry))
+            except OSError:
+                pass
+        return out
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model" * 100)
+    before = ray_daemons()
+    speculant = os.path.join(os.path.dirname(sys.executable), "speculant")
+    proc = subprocess.run([speculant, "serve", "--ray", "--ray-replicas", "1", "-t", "1", "-m", str(bad), "--port", "0"],
+                          capture_output=True, text=True, timeout=180)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("speculant: error:")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert errors == [f"speculant: error: the replicas did not start: {bad}: not a GGUF file (bad magic bytes)"]
+    deadline = time.time() + 20
+    while time.time() < deadline and not ray_daemons() <= before:
+        time.sleep(0.2)
+    assert ray_daemons() <= before, "the cluster outlived the command"

@@ -153,9 +153,27 @@ def deploy(args, after_init=None) -> tuple[str, bool]:
     serve.start(http_options={"host": args.host, "port": port})
     try:
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
-    except RuntimeError as e:  # a replica failed to start (its constructor's error is in the message)
-        raise SpeculantError(f"the Ray Serve application did not start: {str(e).splitlines()[0]}") from None
+    except RuntimeError as e:  # a replica failed to start: say why, in the replica's own words
+        why = replica_error(serve) or str(e).splitlines()[0]
+        if started:
+            shutdown(started)
+        raise SpeculantError(f"the replicas did not start: {why}") from None
     return f"http://{args.host}:{port}", started
+
+
+def replica_error(serve) -> str | None:
+    """The last line of the traceback a failed replica left in Serve's status: for a bad model or
+    draft, speculant's own one-line error."""
+    try:
+        message = serve.status().applications[APP_NAME].deployments[ENGINE].message
+    except Exception:  # noqa: BLE001 - the status is a nicety on top of the error
+        return None
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    if not lines:
+        return None
+    last = lines[-1]
+    name, _, text = last.partition(": ")
+    return text if text and name.rsplit(".", 1)[-1].endswith("Error") else last
 
 
 def shutdown(started: bool) -> None:
