@@ -102,11 +102,13 @@ def metric(url, name, labels="") -> float:
     return float(line.split()[-1])
 
 
-def conversation(url, i, turns=3):
+def conversation(url, i, turns=3, start=None):
     """Turns of one conversation: (replica, cached prompt tokens) per turn."""
     messages = [{"role": "system", "content": "You write short programs."},
                 {"role": "user", "content": f"conversation {i}: write a loop that counts to {i + 3}"}]
     out = []
+    if start is not None:  # the first turns arrive together: each new one sees the others' load
+        start.wait(TIMEOUT)
     for t in range(turns):
         answer, replica = chat(url, messages)
         out.append((replica, answer["usage"]["prompt_tokens_details"]["cached_tokens"]))
@@ -117,7 +119,8 @@ def conversation(url, i, turns=3):
 def test_a_conversation_stays_on_its_replica(endpoint):
     hits = metric(endpoint, "speculant:ray_routed_total", '{outcome="hit"}')
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        runs = list(pool.map(lambda i: conversation(endpoint, i), range(4)))
+        start = threading.Barrier(4)
+        runs = list(pool.map(lambda i: conversation(endpoint, i, start=start), range(4)))
     for run in runs:
         assert len({replica for replica, _ in run}) == 1, run  # every turn on the replica of the first
         assert all(cached > 0 for _, cached in run[1:]), run  # and its prompt cache took the earlier turns
