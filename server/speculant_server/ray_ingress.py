@@ -132,6 +132,11 @@ class Ingress:
             except asyncio.CancelledError:  # the client went away: so does the request on its replica
                 stream.cancel()
                 raise
+            except Exception as e:  # noqa: BLE001 - the relay in the replica failed (its app is gone, ...): not retried
+                stream.cancel()
+                self.stats.failed += 1
+                log.exception("replica failed to relay", path=path)
+                return error_response(500, f"internal error: the replica could not answer: {type(e).__name__}")
         self.stats.failed += 1
         return error_response(503, f"the replica serving the request died, {self.settings.retries + 1} time(s); "
                                    "Ray Serve is starting a new one: try again")
@@ -150,6 +155,11 @@ class Ingress:
         except asyncio.CancelledError:
             stream.cancel()
             raise
+        except Exception as e:  # noqa: BLE001 - headers are gone: the error travels as an event, as on one server
+            self.stats.failed += 1
+            log.exception("replica failed during a stream", replica=replica)
+            yield _sse(ApiError(500, f"internal error: the stream broke off: {type(e).__name__}").body())
+            yield b"data: [DONE]\n\n"
 
     # --- fan-out -----------------------------------------------------------------------------------------
     async def replica_ids(self) -> list[str]:

@@ -28,7 +28,7 @@ ROUTING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 @attrs.define
 class IngressStats:
     replica_deaths: int = 0  # requests whose replica died under them (each retry counts again)
-    failed: int = 0  # requests that got an error because of that (retries ran out, or a stream was cut)
+    failed: int = 0  # requests that got an error for it (retries ran out, a stream was cut) or a broken relay
     rejected: int = 0  # requests refused because every replica's queue was full
     # time from a request's arrival at the ingress to its replica's first answer (status and headers):
     # routing, the hop to the replica, and for a non-streamed request the whole generation
@@ -111,8 +111,8 @@ def _ingress_families(ingress: IngressStats | None, routing, n_replicas: int | N
     if ingress is not None:
         yield CounterMetricFamily(P + "ray_replica_deaths", "Requests whose replica died under them (each attempt).",
                                   value=ingress.replica_deaths)
-        yield CounterMetricFamily(P + "ray_requests_failed", "Requests answered with an error because their replica "
-                                  "died (retries spent, or a stream cut).", value=ingress.failed)
+        yield CounterMetricFamily(P + "ray_requests_failed", "Requests the ingress answered with an error: their "
+                                  "replica died (retries spent, or a stream cut) or could not relay.", value=ingress.failed)
         yield CounterMetricFamily(P + "ray_requests_rejected", "Requests refused: every replica's queue was full.",
                                   value=ingress.rejected)
         buckets, acc = [], 0
