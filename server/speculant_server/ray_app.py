@@ -155,8 +155,7 @@ def deploy(args, after_init=None) -> tuple[str, bool]:
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
     except RuntimeError as e:  # a replica failed to start: say why, in the replica's own words
         why = replica_error(serve) or str(e).splitlines()[0]
-        if started:
-            shutdown(started)
+        shutdown(started)
         raise SpeculantError(f"the replicas did not start: {why}") from None
     return f"http://{args.host}:{port}", started
 
