@@ -25,6 +25,24 @@ DROP_REQUEST = frozenset({"host", "content-length", "transfer-encoding", "connec
 DROP_RESPONSE = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"})
 
 
+FOLDER_PREFIX = "speculant-replica-"  # then the replica's pid: a killed replica's folder is removed by a later one
+
+
+def remove_stale_folders() -> None:
+    """Socket folders of replicas that were killed (no graceful shutdown removed them)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name[len(FOLDER_PREFIX):].split("-", 1)[0] if name.startswith(FOLDER_PREFIX) else ""
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:  # alive, someone else's
+            pass
+
+
 class AppThread(threading.Thread):
     """An aiohttp app served on a Unix socket by a loop of its own (not Serve's)."""
 
@@ -79,15 +97,18 @@ class EngineReplica:
         app, _ = build_server(args)
         self.worker = app[STATE].worker
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._folder = tempfile.mkdtemp(prefix="speculant-replica-")
+        remove_stale_folders()
+        self._folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         self._socket = os.path.join(self._folder, "app.sock")
         self._thread = AppThread(app, self._socket, args.shutdown_timeout)
         self._shutdown_timeout = args.shutdown_timeout
         self._thread.start()
         self._thread.ready.wait()
         if self._thread.error is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
             raise RuntimeError(f"the replica's app did not start: {self._thread.error}")
         self._session = None
+        self._closing = False
 
     def _client(self):
         from aiohttp import ClientSession, ClientTimeout, UnixConnector
@@ -122,9 +143,23 @@ class EngineReplica:
         if not self._thread.is_alive():
             raise RuntimeError("the replica's app loop has stopped")
 
-    async def __del__(self):
-        """Serve's graceful shutdown: the app drains (running requests may finish within
-        --shutdown-timeout), then the socket's folder goes."""
+    def __del__(self):
+        """Serve's graceful shutdown calls this and awaits what it returns: the app drains
+        (running requests may finish within --shutdown-timeout), then the socket's folder goes.
+        Python calls it again when the object goes, or first if Serve never did (a constructor
+        that failed halfway): then it cleans up at once."""
+        if getattr(self, "_closing", True):  # closed already, or never built
+            return None
+        self._closing = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # not from Serve's loop: no one would await a coroutine
+            self._thread.stop(self._shutdown_timeout + 1)
+            shutil.rmtree(self._folder, ignore_errors=True)
+            return None
+        return self._close()
+
+    async def _close(self):
         if self._session is not None:
             await self._session.close()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.stop, self._shutdown_timeout + 1)
