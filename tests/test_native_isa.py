@@ -111,8 +111,8 @@ def linear(lib, qtype, raw, n, k, x, mode=None, kinds=None):
 def test_linear_layers_are_the_same_bits_on_every_isa(qtype, n, k):
     """Every mode (llama.cpp's decode and prompt arithmetic, Q6_K's canonical form, rows of mixed
     kinds) and row count (decode's four-weight-row kernels, 2-8 row tiles, AMX and the tiled VNNI
-    kernels from 5 and 8 rows on AVX-512, the per-row kernels on AVX2), on quantized random weights
-    and on random blocks with extreme scales."""
+    kernels from 5 and 8 rows on AVX-512, tiled ymm kernels from 8 on AVX2 with AVX-VNNI, per-row
+    kernels without it), on quantized random weights and on random blocks with extreme scales."""
     rng = np.random.default_rng(n + k)
     x = (rng.standard_normal((70, k)) * 3).astype(np.float32)
     x[5] = 0.0

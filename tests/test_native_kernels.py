@@ -48,16 +48,20 @@ def isa(request):
 
 
 def zmm() -> bool:
-    """The AVX-512 build: it has the tiled VNNI kernels (and AMX where the compiler knows it);
-    the AVX2 build runs every row count on its per-row kernels (spk_last_path() 1)."""
+    """The AVX-512 build: it has the tiled VNNI kernels in both group sizes (and AMX where the
+    compiler knows it)."""
     return native.isa_of(lib) == "avx512"
 
 
 def tiled_path(rows: int) -> int:
     """What spk_last_path() says after a call of `rows` rows that the tiled kernels take where the
-    build has them: 4 where they take groups of 8 rows (a call of up to 64 rows whose last
-    16-row group would be half empty or worse), else 3."""
-    if not zmm():
+    build has them: on AVX-512, 4 where they take groups of 8 rows (a call of up to 64 rows whose
+    last 16-row group would be half empty or worse), else 3; on AVX2 with AVX-VNNI 3 (ymm halves
+    of the 16-row groups); without AVX-VNNI 1 (the per-row kernels)."""
+    isa = native.isa_of(lib)
+    if isa == "avx2":
+        return 3
+    if isa != "avx512":
         return 1
     return 4 if rows <= 64 and 0 < rows % 16 <= 8 else 3
 

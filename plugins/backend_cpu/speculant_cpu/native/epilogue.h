@@ -30,6 +30,10 @@ inline void epilogue_q4k(__m128& acc, __m128& macc, __m128 d, __m128 dmin, __m12
     acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), _mm_mul_ps(d, dx), acc);
     macc = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_mul_ps(dmin, dx), macc);
 }
+inline void epilogue_q4k(__m256& acc, __m256& macc, __m256 d, __m256 dmin, __m256 dx, __m256i isum, __m256i msum) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc);
+    macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), macc);
+}
 // Q6_K: v's 16 int32 lanes (lane t: the groups g % 16 == t, less the correction in lanes 0..7)
 // folded to the eight of lane class g % 8, into that class's FMA chain.
 // (AVX2: the eight lanes come folded already.)
@@ -46,6 +50,9 @@ inline __m256 epilogue_q6k(__m256 acc, float d_dx, __m512i v) {
 inline __m128 epilogue_q6k_canon(__m128 acc, __m128 d, __m128 dx, __m128i isum) {
     return _mm_add_ps(acc, _mm_mul_ps(_mm_mul_ps(d, dx), _mm_cvtepi32_ps(isum)));
 }
+inline __m256 epilogue_q6k_canon(__m256 acc, __m256 d, __m256 dx, __m256i isum) {
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum)));
+}
 #if SPK_AVX512
 inline __m512 epilogue_q6k_canon(__m512 acc, __m512 d, __m512 dx, __m512i isum) {
     return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum)));
@@ -55,6 +62,9 @@ inline __m512 epilogue_q6k_canon(__m512 acc, __m512 d, __m512 dx, __m512i isum) 
 // (its code writes buf + result * dx; the compiler fuses it), lane-wise in the VNNI and AMX kernels.
 inline __m128 epilogue_q6k_tiled(__m128 acc, __m128 d, __m128 dx, __m128i isum) {
     return _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(isum), d), dx, acc);
+}
+inline __m256 epilogue_q6k_tiled(__m256 acc, __m256 d, __m256 dx, __m256i isum) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), d), dx, acc);
 }
 #if SPK_AVX512
 inline __m512 epilogue_q6k_tiled(__m512 acc, __m512 d, __m512 dx, __m512i isum) {

@@ -149,11 +149,12 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
 #endif
     const int tiled_from = tiled_min_rows(qtype, k);
     // Every Q4_K mode, and Q6_K's forms with one integer sum per block (as AMX).
-    const bool tiled = SPK_AVX512 && !amx && (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_tiled_min_rows > 0 &&
+    // (AVX-512, or AVX2 with AVX-VNNI: avx2_tiled.cpp)
+    const bool tiled = (SPK_AVX512 || SPK_AVXVNNI) && !amx && (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_tiled_min_rows > 0 &&
                        m >= tiled_from;
     // The tiled kernels' groups of 8 rows (two weight rows per zmm) where 16-row groups would
     // leave the last one half empty or worse: up to 8 rows, 17-24, 33-40, 49-56 (few-row calls).
-    const bool pairs = tiled && m <= ACT_TILE && m % 16 != 0 && m % 16 <= 8;
+    const bool pairs = SPK_AVX512 && tiled && m <= ACT_TILE && m % 16 != 0 && m % 16 <= 8;
     g_last_path = amx ? 2 : pairs ? 4 : tiled ? 3 : 1;
     Act& a = g_act;
     a.nb = nb;
@@ -225,6 +226,8 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
                                y + r0, n, W + pf0, pf1 - pf0);
             return;
         }
+#endif
+#if SPK_AVX512 || SPK_AVXVNNI
         if (tiled) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
             const int64_t g0 = a0 / 16;
             const int ng = (int)((a1 - a0 + 15) / 16);

@@ -56,6 +56,11 @@ inline __m128i q4k_scales(const BlockQ4K& blk) {
     return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
 }
 
+// The sub-block of each 32-byte run of q4k_values' bytes (zmm z holds sub-blocks (0,2), (1,3),
+// (4,6), (5,7); avx2_tiled.cpp lays its ymm out the same way); the map is its own inverse:
+// sub-block s is run Q4K_RUN_SUB[s].
+constexpr int Q4K_RUN_SUB[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
 #if SPK_AVX512  // the zmm forms (avx2_k.h has the ymm ones)
 
 // Index vectors giving each zmm of a Q4_K block its two sub-block scales: zmm z pairs sub-blocks
@@ -84,10 +89,6 @@ inline void q4k_values(const BlockQ4K& blk, __m512i q[4]) {
     q[2] = _mm512_and_si512(q1, m4);
     q[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
 }
-
-// The sub-block of each 32-byte run of q4k_values' bytes (zmm z holds sub-blocks (0,2), (1,3),
-// (4,6), (5,7)); the map is its own inverse: sub-block s is run Q4K_RUN_SUB[s].
-constexpr int Q4K_RUN_SUB[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
 // Index vectors spreading 16 int16 scales over the 4 zmm of a Q6_K block: zmm g, int16 lane t
 // (bytes 2t, 2t+1 = values 64g + 2t, +1) takes scale 4g + t/8.
