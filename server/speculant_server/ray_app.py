@@ -95,7 +95,7 @@ def app_builder(config: dict):
     """For `serve run speculant_server.ray_app:app_builder flags="..."`."""
     from speculant.flags import OneLineParser
 
-    from speculant_server.cli import add_serve_args
+    from speculant_server.setup import add_serve_args
 
     parser = OneLineParser(prog="speculant_server.ray_app:app_builder", description="flags of speculant serve")
     add_serve_args(parser)
@@ -188,7 +188,7 @@ def shutdown(started: bool) -> None:
 def cmd_serve_ray(args) -> int:
     from speculant.logs import get_logger
 
-    from speculant_server.cli import configure_logging
+    from speculant_server.setup import configure_logging
 
     check(args)
     require_ray()

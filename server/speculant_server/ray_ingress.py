@@ -60,7 +60,7 @@ def _sse(obj: dict) -> bytes:
 
 class Ingress:
     def __init__(self, engine_handle, settings: IngressSettings):
-        from speculant_server.cli import configure_logging
+        from speculant_server.setup import configure_logging
 
         configure_logging(settings.log_format)
         self.engine = engine_handle

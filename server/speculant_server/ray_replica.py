@@ -91,7 +91,7 @@ class EngineReplica:
         from ray import serve
 
         from speculant_server.app import STATE
-        from speculant_server.cli import build_server, configure_logging
+        from speculant_server.setup import build_server, configure_logging
 
         configure_logging(args.log_format)
         app, _ = build_server(args)
