@@ -126,3 +126,33 @@ async def test_the_ram_cache_keeps_one_copy_of_a_prefix(model):
         assert len(engine.context.seqs) == 3
     assert longer["timings"]["cache_n"] >= a[0][1]["tokens_evaluated"] - 1
     assert again["timings"]["cache_n"] >= a[0][1]["tokens_evaluated"] - 1 and again["content"] == a[0][1]["content"]
+
+
+@aiotest
+async def test_conversations_sharing_a_system_prompt_keep_their_own_states(model):
+    """-np 1, two chats with one system prompt, turns interleaved: B's first turn takes a copy of
+    the system prompt's rows from A's state instead of cutting it down, so A's second turn still
+    continues from all of its first. Every answer is the cold start's."""
+    def turn(user, before=()):
+        return [SYSTEM, *before, {"role": "user", "content": user}]
+
+    async def answer(c, messages):
+        _, r = await post(c, "/v1/chat/completions", chat(messages))
+        return r
+
+    async with serve(make_engine(model, n_ctx=1024), n_slots=1) as c:
+        a1 = await answer(c, turn("write a loop that counts to ten"))
+        b1 = await answer(c, turn("print the letters of a word"))
+        a_next = turn("write a loop that counts to ten") + [{"role": "assistant", "content": a1["choices"][0]["message"]["content"]},
+                                                         {"role": "user", "content": "now count down"}]
+        b_next = turn("print the letters of a word") + [{"role": "assistant", "content": b1["choices"][0]["message"]["content"]},
+                                                       {"role": "user", "content": "backwards"}]
+        a2, b2 = await answer(c, a_next), await answer(c, b_next)
+    async with serve(make_engine(model, n_ctx=1024), n_slots=1, cache_ram=0) as c:
+        cold = [await answer(c, m) for m in (a_next, b_next)]
+
+    cached = lambda r: r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached(b1) < b1["usage"]["prompt_tokens"]  # the system prompt's rows, copied
+    assert cached(a2) >= a1["usage"]["prompt_tokens"] and cached(b2) >= b1["usage"]["prompt_tokens"]
+    for warm, ref in zip((a2, b2), cold):
+        assert warm["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]

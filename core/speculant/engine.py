@@ -414,6 +414,22 @@ class Engine:
             raise
         return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id), speculators_synced=False)
 
+    def copy_cached(self, cached: CachedPrompt, n: int) -> CachedPrompt | None:
+        """A new entry holding a copy of `cached`'s first n rows, `cached` untouched: a request that
+        shares only a prefix with another conversation's state (a system prompt) continues from
+        the copy, and that conversation's state stays whole for its own next turn. None where the
+        target's state cannot be copied (a recurrent target), or where speculators take the
+        prompt's hidden states (they would hold nothing for the copied rows)."""
+        n = min(n, len(cached.tokens))
+        if (n <= 0 or self.recurrent or self.chain.hidden_layers or not hasattr(self.context, "get_state")
+                or not hasattr(self.context, "set_state")):
+            return None
+        seq_id = self._new_id()
+        state = self.context.get_state(cached.seq_id)
+        self.context.set_state(seq_id, {k: v[:, :n] for k, v in state.items()})
+        row_prompts = tuple((a, m) for a, m in cached.row_prompts if a < n)
+        return CachedPrompt(seq_id, cached.tokens[:n], row_prompts, [], self._nbytes(seq_id), speculators_synced=False)
+
     def _nbytes(self, seq_id: int) -> int:
         """The memory of a sequence's target state (0 where the context cannot say)."""
         nbytes = getattr(self.context, "nbytes", None)

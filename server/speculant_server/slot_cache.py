@@ -4,10 +4,11 @@
 Each slot keeps the state of its last request. A new request goes to the idle slot whose state
 shares the longest prefix with its prompt, if that prefix is more than `similarity` of the prompt
 (llama-server's ``--slot-prompt-similarity``), else to the least recently used idle slot. The
-slot's own state is continued from when it shares enough with the prompt; otherwise it moves,
-whole, to a host-memory LRU (``--cache-ram``), and the request takes the entry of that LRU that
-shares most with it, if any. States cost nothing to move here: they stay where they are in
-memory, only their owner changes. Only the engine thread calls this.
+slot's own state is continued from when it shares enough with the prompt (from a copy of the
+shared rows when the state is another conversation's, which then stays whole); otherwise
+it moves, whole, to a host-memory LRU (``--cache-ram``), and the request takes the entry of that
+LRU that shares most with it, if any. States cost nothing to move here: they stay where they
+are in memory, only their owner changes. Only the engine thread calls this.
 """
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ import collections
 import time
 
 from speculant.engine import CachedPrompt, Engine
+
+
+# A kept state holding this much past what a new prompt shares with it is another branch, kept
+# whole (the prompt takes a copy of the shared rows) rather than cut: more than 32 tokens, and
+# more than 1/8 of the shared part. Below, it is the same conversation with its tail changed (a
+# re-tokenized answer, an edited last turn), and a near copy kept beside it would only fill the
+# LRU (a 6-turn session would leave five).
+BRANCH_MIN_TOKENS = 32
+BRANCH_MIN_SHARE = 8
 
 
 class SlotCache:
@@ -64,13 +74,36 @@ class SlotCache:
         # Look in the LRU before the slot's own state goes there: it could push out the best match.
         best = max(self.ram.values(), key=lambda e: e.common_prefix(prompt), default=None)
         if best is not None and self._similar(best, prompt) and self._shared(best, prompt) > n_own:
-            del self.ram[best.seq_id]
+            entry = self._continue(best, prompt)  # before the slot's state goes in and pushes it out
             self._to_ram(own)
-            return best
+            return entry
         if n_own == 0:
             self._to_ram(own)
             return None
-        return own
+        return self._continue(own, prompt)
+
+    def _continue(self, entry: CachedPrompt, prompt: list[int]) -> CachedPrompt | None:
+        """What the request continues from, given the state that shares most with it (the slot's
+        own, or one in the LRU). A state the prompt extends, or nearly (an edited last turn, a
+        re-tokenized answer), is used up. One with more past the shared part (more than
+        BRANCH_MIN_TOKENS, and more than 1/BRANCH_MIN_SHARE of the shared part) is another
+        conversation's that only starts the same way (a system prompt): continuing from it would
+        cut away the rest, which that conversation's next turn needs. The request then takes a copy of the rows it can reuse and the state
+        stays whole in the LRU, as llama-server keeps a slot's prompt in its cache before the
+        slot takes another. (Where the target's state cannot be copied, it is used up.)"""
+        shared = entry.common_prefix(prompt)
+        rest = len(entry.tokens) - shared
+        if rest > BRANCH_MIN_TOKENS and rest * BRANCH_MIN_SHARE > shared:
+            n = self.engine.reusable(entry, prompt)
+            copy = self.engine.copy_cached(entry, n) if n > 0 else None
+            if copy is not None or n == 0:
+                if entry.seq_id not in self.ram:
+                    self._to_ram(entry)
+                else:
+                    self.ram.move_to_end(entry.seq_id)
+                return copy
+        self.ram.pop(entry.seq_id, None)
+        return entry
 
     def put(self, slot: int, entry: CachedPrompt | None) -> None:
         """The state `slot`'s request leaves behind (None: nothing to keep)."""
