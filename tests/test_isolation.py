@@ -324,6 +324,50 @@ def test_a_hung_speculator_is_quarantined_and_the_engine_goes_on(where, spin):
     assert out_again == plain(BAD_PROMPT) and spec.calls == calls and "hanger" in engine.chain.quarantined
 
 
+def test_a_quarantined_speculator_comes_back_once_its_call_has_returned():
+    """--spec-revive: not while the stuck call still runs; after it returned and the time is up,
+    the speculator is tried again on a new thread, every live sequence starting over with it
+    (end, then begin) before its next call; outputs stay plain decoding's. The third quarantine
+    is for good."""
+    import threading
+
+    spec, other = Hanger("propose"), Other()
+    engine = Engine(ToyModel(), EngineConfig(n_ctx=256, adaptive=False, spec_deadline=DEADLINE, spec_grace=GRACE,
+                                             spec_revive=0.3), [spec, other])
+    try:
+        (out_bad,), _ = within(10, lambda: decode_all(engine, engine.add(BAD_PROMPT, 30)))
+        assert out_bad == plain(BAD_PROMPT) and "hanger" in engine.chain.quarantined
+        time.sleep(0.4)  # past the revive time, but the call is still stuck: it stays out
+        live = engine.add(PROMPT, 60)  # begun while the speculator is out
+        first = engine.step().get(live.seq_id, [])
+        assert "hanger" in engine.chain.quarantined and engine.chain.revived == 0
+    finally:
+        spec.release.set()
+    stuck = next(t for t in spec.threads if t is not threading.main_thread())
+    stuck.join(2)
+    assert not stuck.is_alive()
+    begins, proposes = spec.calls.get("begin", 0), spec.calls.get("propose", 0)
+    (out_live,), _ = within(10, lambda: decode_all(engine, live))
+    out_live = first + out_live
+    assert out_live == plain(n=60) and engine.chain.revived == 1 and not engine.chain.quarantined
+    assert spec.calls["begin"] == begins + 1  # the live sequence started over with it
+    assert spec.calls["propose"] > proposes and engine.spec_stats["hanger"].drafts > 0
+    assert len(spec.threads) == 2  # a new thread
+
+    # Two more quarantines: the third is for good.
+    for k in (2, 3):
+        spec.release.clear()
+        try:
+            (out,), _ = within(10, lambda: decode_all(engine, engine.add(BAD_PROMPT, 30)))
+            assert out == plain(BAD_PROMPT) and "hanger" in engine.chain.quarantined
+        finally:
+            spec.release.set()
+        time.sleep(0.4)
+        (out,), _ = within(10, lambda: decode_all(engine, engine.add(PROMPT, 30)))
+        assert out == plain() and engine.chain.revived == (2 if k >= 2 else 1)
+    assert "hanger" in engine.chain.quarantined and "tried again" not in str(engine.chain.quarantined["hanger"])
+
+
 class Sluggish:
     """Takes `seconds` in propose (sleeping) for the bad prompt's sequence; drafts token 0
     otherwise. Counts its calls per first prompt token."""

@@ -14,8 +14,10 @@ an empty draft counts as no draft for the step (it still ends the search for tha
 With a deadline (the engine's ``spec_deadline``), each speculator's hook calls run on a thread of
 its own, one call at a time, and the engine thread waits for each at most the deadline (a longer
 grace for the calls where a speculator may catch up on a prompt). A call that does not return in
-time is abandoned and its speculator quarantined: never called again, for the life of the chain,
-since its stuck thread may still change its state. See SpeculatorChain.
+time is abandoned and its speculator quarantined: not called while its stuck thread may still
+change its state. Once that thread has ended and ``revive`` seconds have passed, it is tried
+again, its state for every live sequence rebuilt from scratch (``end`` then ``begin``); a third
+quarantine is for good. See SpeculatorChain.
 """
 from __future__ import annotations
 
@@ -152,6 +154,7 @@ def _interrupt(thread: threading.Thread) -> None:
 
 
 _HUNG = object()  # what _run returns for an abandoned call
+MAX_QUARANTINES = 3  # the third quarantine of a speculator is for good
 
 # Hooks that run where a speculator may catch up on a whole prompt: held to the grace, not the deadline.
 _GRACE_HOOKS = frozenset({"begin", "truncate", "prefill"})
@@ -222,6 +225,11 @@ class _Slot:
     hooks: dict[str, Callable[[dict], Any]]
     box: _Mailbox | None = None
     quarantined: bool = False
+    quarantines: int = 0  # how many times; at MAX_QUARANTINES it is for good
+    quarantined_at: float = 0.0
+    # Sequences whose state in this speculator is unknown (it was revived): before its next hook
+    # call for one of them it gets `end` and `begin`, and starts over from the sequence's view.
+    stale: set[int] = attrs.field(factory=set)
 
 
 def _caller(pm: pluggy.PluginManager, name: str, spec: Any, others: list[Any]) -> Callable[[dict], Any] | None:
@@ -251,19 +259,27 @@ class SpeculatorChain:
     prompt's hidden states).
 
     A call that does not return in time is abandoned: the speculator is quarantined (no hook of it
-    is called again, for the life of the chain, even if the stuck call returns later, since its
-    thread may still be changing its state), one warning is logged, and its sequences go on
-    with the rest of the chain (with plain decoding when none is left). Its thread gets
-    _Abandoned raised in it, which stops a call stuck in Python code; one blocked in a C call
-    stays blocked. An exception from a hook is the caller's to handle, as without a deadline."""
+    is called while its thread may still be changing its state), one warning is logged, and its
+    sequences go on with the rest of the chain (with plain decoding when none is left). Its
+    thread gets _Abandoned raised in it, which stops a call stuck in Python code; one blocked in
+    a C call stays blocked. ``revive`` (None: never) seconds after a quarantine, once that thread
+    has ended, the speculator is tried again on a new thread (a stall from swapping or a loaded
+    host should not cost a long-running server its speculation for good): every live sequence
+    is stale for it, and gets ``end`` and ``begin`` from it before its next hook call for that
+    sequence. The third quarantine is for good. An exception from a hook is the caller's to
+    handle, as without a deadline."""
 
-    def __init__(self, speculators: list[Any], deadline: float | None = None, grace: float | None = None):
+    def __init__(self, speculators: list[Any], deadline: float | None = None, grace: float | None = None,
+                 revive: float | None = None):
         self.speculators = list(speculators)
         self.deadline = deadline
         self.grace = None if deadline is None else (grace if grace is not None else max(60.0, 10 * deadline))
+        self.revive = revive
         self.quarantined: dict[str, SpeculatorTimeout] = {}  # spec type -> why
+        self.revived = 0  # speculators brought back after a quarantine
         # seq_id -> (speculator index, hook) called for it since its begin or truncate
         self._asked: dict[int, set[tuple[int, str]]] = {}
+        self._live: set[int] = set()  # sequences begun (or cut) and not ended: what a revived speculator must rebuild
         self.pm = pluggy.PluginManager("speculant")
         self.pm.add_hookspecs(hookspecs.SpeculatorSpec)
         for i, spec in reversed(list(enumerate(self.speculators))):
@@ -308,6 +324,8 @@ class SpeculatorChain:
         its thread: per call (returned, value or exception, seconds), as _run_calls. _HUNG when a
         call did not return within its limit: the speculator is then quarantined and the job's
         results are dropped."""
+        if slot.stale and self._resync(slot, hook, calls) is _HUNG:
+            return _HUNG
         fn = slot.hooks[hook]
         box = slot.box
         if box is None:
@@ -333,15 +351,57 @@ class SpeculatorChain:
 
     def _quarantine(self, slot: _Slot, hook: str, seconds: float, seq_ids: Sequence[int], log_it: bool = True) -> None:
         slot.quarantined = True
+        slot.quarantines += 1
+        slot.quarantined_at = time.monotonic()
         slot.box.abandoned = True
+        for_good = self.revive is None or slot.quarantines >= MAX_QUARANTINES
         self.quarantined[slot.name] = SpeculatorTimeout(
-            f"{slot.name}: {hook} did not return within {seconds:g} s; the speculator is quarantined")
+            f"{slot.name}: {hook} did not return within {seconds:g} s; the speculator is quarantined"
+            + ("" if for_good else f", to be tried again after {self.revive:g} s once that call has returned"))
         self._hidden()
         if log_it:
-            log.warning("speculator call did not return in time: abandoned, the speculator is quarantined for the "
-                        "engine's life; its sequences go on without it", spec_type=slot.name, call=hook,
-                        seconds=round(seconds, 3), seq_ids=list(seq_ids))
+            log.warning("speculator call did not return in time: abandoned, the speculator is quarantined"
+                        + (" for the engine's life" if for_good else "") + "; its sequences go on without it",
+                        spec_type=slot.name, call=hook, seconds=round(seconds, 3), seq_ids=list(seq_ids),
+                        quarantines=slot.quarantines)
         _interrupt(slot.box.thread)
+
+    def revive_due(self) -> None:
+        """Bring back the quarantined speculators whose time is up and whose stuck call has ended:
+        a new thread, and every live sequence stale for it (end, then begin, before its next call
+        for that sequence). Called by the engine once a step, before the proposals."""
+        if self.revive is None or not self.quarantined:
+            return
+        now = time.monotonic()
+        for slot in self._slots:
+            if (slot.quarantined and slot.quarantines < MAX_QUARANTINES and now - slot.quarantined_at >= self.revive
+                    and slot.box is not None and not slot.box.thread.is_alive()):
+                slot.box = _Mailbox(f"{slot.index}:{slot.name}")
+                weakref.finalize(self, _stop, [slot.box])
+                slot.quarantined = False
+                slot.stale = set(self._live)
+                self.quarantined.pop(slot.name, None)
+                self.revived += 1
+                self._hidden()
+                log.warning("speculator tried again after its quarantine; its sequences start over with it",
+                            spec_type=slot.name, quarantines=slot.quarantines, sequences=len(slot.stale))
+
+    def _resync(self, slot: _Slot, hook: str, calls: list[tuple[dict, Sequence[int]]]):
+        """Before `hook` calls of a revived speculator: `end` and `begin` for the stale sequences
+        among them (an `end` call needs neither). _HUNG if it is quarantined again on the way."""
+        views = []
+        for kwargs, _ in calls:
+            if "seq_id" in kwargs:
+                slot.stale.discard(kwargs["seq_id"])
+            for view in ([kwargs["seq"]] if "seq" in kwargs else [r.seq for r in kwargs.get("requests", ())]):
+                if view.seq_id in slot.stale:
+                    slot.stale.discard(view.seq_id)
+                    views.append(view)
+        for name, jobs in (("end", [({"seq_id": v.seq_id}, (v.seq_id,)) for v in views]),
+                           ("begin", [({"seq": v}, (v.seq_id,)) for v in views])):
+            if jobs and name in slot.hooks and self._run(slot, name, jobs) is _HUNG:
+                return _HUNG
+        return None
 
     @staticmethod
     def _error(e: BaseException) -> Exception:
@@ -375,6 +435,7 @@ class SpeculatorChain:
 
     def begin(self, seq: SequenceView) -> None:
         self._asked.pop(seq.seq_id, None)
+        self._live.add(seq.seq_id)
         self._call("begin", (seq.seq_id,), seq=seq)
 
     def propose_batch(self, requests: Sequence[DraftRequest], only: Sequence[tuple[str, ...] | None] | None = None,
@@ -498,6 +559,7 @@ class SpeculatorChain:
 
     def truncate(self, seq: SequenceView, n: int) -> None:
         self._asked.pop(seq.seq_id, None)
+        self._live.add(seq.seq_id)
         self._call("truncate", (seq.seq_id,), seq=seq, n=n)
 
     def checkpoint(self, seq: SequenceView, action: str) -> None:
@@ -505,4 +567,7 @@ class SpeculatorChain:
 
     def end(self, seq_id: int) -> None:
         self._asked.pop(seq_id, None)
+        self._live.discard(seq_id)
+        for slot in self._slots:
+            slot.stale.discard(seq_id)  # the sequence is gone: nothing to rebuild (its `end` still goes out)
         self._call("end", (seq_id,), seq_id=seq_id)

@@ -42,12 +42,15 @@ class EngineConfig:
     # Seconds a speculator's hook call may take (None: no limit; its calls then run inline on the
     # engine thread). With a deadline each speculator's calls run on a thread of its own and the
     # engine waits at most this long for each: a call that does not return in time is abandoned
-    # and its speculator quarantined for the engine's life (SpeculatorChain; logged), the others
+    # and its speculator quarantined until `spec_revive` (SpeculatorChain; logged), the others
     # go on. `spec_grace` (None: max(60 s, 10 x the deadline)), plus 20 ms per token of the
     # sequence, replaces it where a speculator may catch up on a prompt: begin, truncate, prefill,
     # and its first propose and accept for a sequence.
     spec_deadline: float | None = 5.0
     spec_grace: float | None = None
+    # Seconds after a quarantine before the speculator is tried again, once its stuck call has
+    # returned (it starts over for every sequence; the third quarantine is for good). None: never.
+    spec_revive: float | None = 60.0
     # Recurrent targets (state that cannot be cut): where the context keeps each verification
     # row's state, a partial acceptance cuts back to the last accepted row; `spec_use_checkpoints`
     # saves the state before every verification instead and, on a partial acceptance, restores
@@ -61,6 +64,8 @@ class EngineConfig:
             raise LimitError(f"context size {self.n_ctx} is too small")
         if self.spec_deadline is not None and not self.spec_deadline > 0:
             raise LimitError(f"the speculator deadline must be positive, got {self.spec_deadline}")
+        if self.spec_revive is not None and not self.spec_revive >= 0:
+            raise LimitError(f"the speculator revive time must be >= 0, got {self.spec_revive}")
         if self.spec_grace is not None and not self.spec_grace > 0:
             raise LimitError(f"the speculator grace must be positive, got {self.spec_grace}")
         if self.ctx_checkpoints < 0:
@@ -257,7 +262,8 @@ class Engine:
         if self.recurrent and hasattr(self.context, "keep_rows"):
             self.context.keep_rows = self.row_rollback
         self.recurrent_stats = RecurrentStats()
-        self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline, grace=config.spec_grace)
+        self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline, grace=config.spec_grace,
+                                     revive=config.spec_revive)
         self.controller = DraftLengthController(enabled=config.adaptive)
         self.controller.replay = self.recurrent and not self.row_rollback
         self.spec_stats: dict[str, SpecTypeStats] = {}
@@ -610,6 +616,8 @@ class Engine:
     def _propose_all(self, seqs: list[Sequence]) -> dict[int, Draft | None]:
         """The chain's drafts for all sequences in one batched call, trimmed to what pays off."""
         drafts: dict[int, Draft | None] = {seq.seq_id: None for seq in seqs}
+        if self.chain:
+            self.chain.revive_due()  # a quarantined speculator whose time is up comes back before it is asked
         forced = self._forced_drafts(seqs)
         drafts.update(forced)
         asking = [seq for seq in seqs if self.chain and seq.spec_error is None and (seq.spec or _NO_OVERRIDE).types != ()

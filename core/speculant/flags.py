@@ -50,8 +50,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-deadline", type=_float("a number of seconds >= 0", lambda v: v >= 0 and v < float("inf")),
                    default=5.0, metavar="SECONDS",
                    help="a speculator hook call not returning within this is abandoned and the speculator "
-                        "quarantined (never called again; the rest of the chain goes on), logged; its calls run on "
-                        "a thread of its own for this (default 5; 0: no deadline, calls run inline)")
+                        "quarantined (not called until --spec-revive; the rest of the chain goes on), logged; its "
+                        "calls run on a thread of its own for this (default 5; 0: no deadline, calls run inline)")
+    g.add_argument("--spec-revive", type=_float("a number of seconds >= 0", lambda v: v >= 0 and v < float("inf")),
+                   default=60.0, metavar="SECONDS",
+                   help="a quarantined speculator is tried again this long after, once its stuck call has returned, "
+                        "starting over for every sequence; the third quarantine is for good (default 60; 0: never)")
     g.add_argument("--spec-grace", type=_float("a number of seconds > 0", lambda v: v > 0 and v < float("inf")),
                    default=None, metavar="SECONDS",
                    help="the deadline instead where a speculator may catch up on a prompt (begin, truncate, "
@@ -76,6 +80,7 @@ def engine_setup(args, model):
                           draft_p_min=args.spec_draft_p_min, adaptive=args.spec_adaptive,
                           spec_deadline=getattr(args, "spec_deadline", 5.0) or None,
                           spec_grace=getattr(args, "spec_grace", None),
+                          spec_revive=getattr(args, "spec_revive", 60.0) or None,
                           spec_use_checkpoints=getattr(args, "spec_use_checkpoints", False),
                           ctx_checkpoints=getattr(args, "ctx_checkpoints", 32))
     names = parse_spec_types(args.spec_type)

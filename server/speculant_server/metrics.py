@@ -68,10 +68,10 @@ class ServerCollector:
             for i, n in enumerate(s.accepted_at if s else ()):
                 per_pos.add_metric([name, str(i)], n)
         yield from (drafts, drafted, accepted, declined, per_pos)
-        # A speculator whose call did not return in time is quarantined for the engine's life:
-        # worth an alert, since its sequences decode without it until a restart.
+        # A speculator whose call did not return in time is quarantined: worth an alert, since
+        # its sequences decode without it until it is revived (--spec-revive) or the server restarts.
         quarantined = GaugeMetricFamily(p + "spec_quarantined", "1 for a spec type quarantined after a call that did "
-                                        "not return within --spec-deadline (until restart), else 0.", labels=["spec_type"])
+                                        "not return within --spec-deadline (until revived or restarted), else 0.", labels=["spec_type"])
         gone = w.engine.chain.quarantined
         for name in w.spec_types:
             quarantined.add_metric([name], 1.0 if name in gone else 0.0)
