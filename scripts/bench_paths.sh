@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 21 item 5: every kernel path served against llama.cpp in one sitting (docs/benchmarks.md).
+# Paths: AMX (where the CPU has it), AVX-512 VNNI without AMX (SPECULANT_AMX=0), AVX2 with AVX-VNNI
+# (SPECULANT_ISA=avx2). The peer: llama.cpp's AVX-512 build for the first two (ggml has no AMX
+# path for these types in that build) and its AVX2 build for the third. Each: plain decoding and
+# the best speculative configuration measured on code edits (ours: suffix,ngram-simple, 48 tokens,
+# depth 64; llama.cpp: ngram-map-k). ROUNDS=N interleaves N rounds (medians on a noisy box);
+# ONLY=workload limits the workloads (default code-edit-bisect).
+#
+#   LLAMA_SERVER=.../build/bin/llama-server LLAMA_SERVER_AVX2=.../build-avx2/bin/llama-server scripts/bench_paths.sh
+set -u
+cd "$(dirname "$0")/.."
+M=~/.cache/speculant-models; T=$M/qwen2.5-coder-1.5b-instruct.gguf
+ONLY=${ONLY-code-edit-bisect}
+SB="--specbench ${SPECBENCH:-../shared/bench/specbench.py} --workloads tests/data/workloads-public.json --out ${OUT:-paths.jsonl}"
+[ -n "$ONLY" ] && SB="$SB --only $ONLY"
+PY=.venv/bin/python
+LS=${LLAMA_SERVER:?set LLAMA_SERVER to the AVX-512 llama-server of llama.cpp (docs/benchmarks.md has the build)}
+LS2=${LLAMA_SERVER_AVX2:-}
+BEST="--spec-type suffix,ngram-simple --spec-draft-n-max 48 --spec-suffix-max-depth 64 --no-spec-adaptive"
+
+paths=()
+grep -qw amx_tile /proc/cpuinfo && paths+=("amx:")
+paths+=("avx512:SPECULANT_AMX=0")
+[ -n "$LS2" ] && paths+=("avx2:SPECULANT_ISA=avx2")
+
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  for cfg in "plain:" "ngram-map-k:--spec-type ngram-map-k"; do
+    name=${cfg%%:*}; flags=${cfg#*:}
+    echo "== round $round: llama.cpp avx512 $name"
+    $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx512-$name -- $LS -m $T --port 8091 -t 2 -c 4096 -np 1 $flags
+    if [ -n "$LS2" ]; then
+      echo "== round $round: llama.cpp avx2 $name"
+      $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx2-$name -- $LS2 -m $T --port 8091 -t 2 -c 4096 -np 1 $flags
+    fi
+  done
+  for p in "${paths[@]}"; do
+    path=${p%%:*}; envs=${p#*:}
+    for cfg in "plain:" "best:$BEST"; do
+      name=${cfg%%:*}; flags=${cfg#*:}
+      echo "== round $round: speculant $path $name"
+      $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8090 --label ours-$path-$name -- \
+        env $envs .venv/bin/speculant serve -m $T --port 8090 -t 2 -c 4096 -np 1 $flags
+    done
+  done
+done
+echo "== done"
