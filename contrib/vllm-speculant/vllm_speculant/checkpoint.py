@@ -24,6 +24,33 @@ def f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+def llama_like_config(architecture: str, model_type: str, cfg, n_layers: int, target_hidden: int, dtype: str) -> dict:
+    """The config.json keys a one-stack drafter shares with a Llama/Qwen3 decoder config."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.n_ff,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": n_layers,
+        "hidden_act": "silu",
+        "rms_norm_eps": f32(cfg.eps),
+        # both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters (vLLM's get_rope)
+        "rope_theta": f32(cfg.rope_base),
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": f32(cfg.rope_base)},
+        "max_position_embeddings": cfg.n_ctx,
+        "vocab_size": cfg.n_target_vocab,
+        "draft_vocab_size": cfg.n_draft_vocab,
+        "target_hidden_size": target_hidden,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    }
+
+
 def dequantized(info) -> torch.Tensor:
     from speculant.gguf import dequantize
 

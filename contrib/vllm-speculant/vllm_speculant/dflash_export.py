@@ -36,7 +36,7 @@ import torch
 from speculant import SpeculantError
 from speculant.logs import get_logger
 
-from vllm_speculant.checkpoint import dequantized, dtype_of, f32, vocab_tensors, write
+from vllm_speculant.checkpoint import dequantized, dtype_of, f32, llama_like_config, vocab_tensors, write
 
 log = get_logger(__name__)
 
@@ -74,30 +74,11 @@ def config_json(cfg, dtype: str) -> dict:
               "block_size": int(cfg.block_size), "causal": bool(cfg.causal), "use_aux_hidden_state": True}
     if cfg.value_scale:
         dflash["attention_value_scale"] = f32(cfg.value_scale)
+    # target_hidden_size: our layout reads n_taps x n_embd, so the target's width is the drafter's
     out = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "hidden_size": cfg.n_embd,
-        "intermediate_size": cfg.n_ff,
-        "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_kv_head,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "hidden_act": "silu",
-        "rms_norm_eps": f32(cfg.eps),
-        # both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters (vLLM's get_rope)
-        "rope_theta": f32(cfg.rope_base),
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": f32(cfg.rope_base)},
-        "max_position_embeddings": cfg.n_ctx,
-        "vocab_size": cfg.n_target_vocab,
-        "draft_vocab_size": cfg.n_draft_vocab,
-        "target_hidden_size": cfg.n_embd,  # our layout reads n_taps x n_embd: the target's width is the drafter's
-        "attention_bias": False,
-        "tie_word_embeddings": False,
+        **llama_like_config(ARCHITECTURE, "qwen3", cfg, cfg.n_layers, cfg.n_embd, dtype),
         "block_size": int(cfg.block_size),
         "dflash_config": dflash,
-        "torch_dtype": dtype,
     }
     if cfg.logit_scale:
         out["logit_scale"] = f32(cfg.logit_scale)

@@ -36,7 +36,7 @@ import torch
 
 from speculant.logs import get_logger
 
-from vllm_speculant.checkpoint import dequantized, dtype_of, f32, vocab_tensors, write
+from vllm_speculant.checkpoint import dequantized, dtype_of, llama_like_config, vocab_tensors, write
 
 log = get_logger(__name__)
 
@@ -74,31 +74,11 @@ def config_json(cfg, dtype: str) -> dict:
     eagle = {"eagle_aux_hidden_state_layer_ids": [int(x) for x in cfg.target_layers], "use_aux_hidden_state": True,
              "norm_before_fc": bool(cfg.norm_before_fc)}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": cfg.n_embd,
-        "intermediate_size": cfg.n_ff,
-        "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_kv_head,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": f32(cfg.eps),
-        # both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters (vLLM's get_rope)
-        "rope_theta": f32(cfg.rope_base),
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": f32(cfg.rope_base)},
-        "max_position_embeddings": cfg.n_ctx,
-        "vocab_size": cfg.n_target_vocab,
-        "draft_vocab_size": cfg.n_draft_vocab,
-        "target_hidden_size": cfg.target_hidden,
-        "attention_bias": False,
+        **llama_like_config(ARCHITECTURE, "llama", cfg, 1, cfg.target_hidden, dtype),
         "mlp_bias": False,
-        "tie_word_embeddings": False,
         "norm_before_residual": bool(cfg.norm_before_residual),
         "norm_before_fc": bool(cfg.norm_before_fc),
         "eagle_config": eagle,
-        "torch_dtype": dtype,
     }
 
 
