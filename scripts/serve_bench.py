@@ -90,6 +90,7 @@ def main() -> int:
             for s, r in zip(summary["single"], rows):  # drafted and accepted tokens, where the server reports them
                 t = r.get("timings") or {}
                 s["draft_n"], s["draft_n_accepted"] = t.get("draft_n"), t.get("draft_n_accepted")
+                s["draft_rounds"], s["draft_ms"] = t.get("draft_rounds"), t.get("draft_ms")  # ours only
             if args.clients:
                 t0 = time.perf_counter()
                 procs = [run_specbench(args, os.path.join(tmp, f"c{i}.jsonl"), f"{args.label}-c{i}") for i in range(args.clients)]

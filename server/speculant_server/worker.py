@@ -402,6 +402,8 @@ class EngineWorker:
             "predicted_per_token_ms": predicted_ms / n if n else 0.0,
             "predicted_per_second": n / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
             "draft_n": stats.n_drafted, "draft_n_accepted": stats.n_accepted,
+            # beyond llama-server's fields: verified drafts and the time spent drafting (declined calls too)
+            "draft_rounds": stats.n_drafts, "draft_ms": stats.draft_seconds * 1e3,
         }
 
     def _finish(self, job: Job, finish_reason: str, stop_type: str, word: str) -> None:
