@@ -10,7 +10,8 @@
 #   LLAMA_SERVER=.../llama-server EAGLE3=head.gguf MTP=mtp.gguf DFLASH=dflash.gguf scripts/bench_drafters.sh
 #
 # Heads left unset are skipped; LLAMA_SERVER unset skips llama.cpp. ROUNDS=N repeats the whole list
-# N times (interleaved, for medians on a noisy box). Results append to $OUT (drafters.jsonl).
+# N times (interleaved, for medians on a noisy box). CONFIGS="llama-plain ours-eagle3 ..." runs only
+# those labels. Results append to $OUT (drafters.jsonl); scripts/drafters_table.py makes the table.
 set -u
 cd "$(dirname "$0")/.."
 M=~/.cache/speculant-models; T=$M/qwen2.5-coder-1.5b-instruct.gguf; D=$M/qwen2.5-coder-0.5b-instruct.gguf
@@ -31,14 +32,18 @@ if [ -n "$LS" ]; then
   [ -n "$DF" ] && theirs+=("draft-dflash:-m $TL -md $DF --spec-type draft-dflash")
 fi
 
+wanted() { [ -z "${CONFIGS:-}" ] || [[ " $CONFIGS " == *" $1 "* ]]; }
+
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for cfg in "${theirs[@]}"; do
     name=${cfg%%:*}; flags=${cfg#*:}
+    wanted llama-$name || continue
     echo "== round $round: llama.cpp $name"
     $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-$name -- $LS --port 8091 -t 2 -c 4096 -np 1 $flags
   done
   for cfg in "${ours[@]}"; do
     name=${cfg%%:*}; flags=${cfg#*:}
+    wanted ours-$name || continue
     echo "== round $round: speculant $name"
     $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8090 --label ours-$name -- \
       .venv/bin/speculant serve -m $T --port 8090 -c 4096 -np 1 $flags

@@ -337,6 +337,8 @@ def test_controller_counts_draft_cost_of_calls_without_tokens():
     for _ in range(20):
         c.observe_draft("x", 8, 8)
     assert c.plan("x", 8) == 4  # its cost is not known yet: a short first draft
+    c.observe_cost("x", 9.0, 4)  # the sequence's first call fed its prompt: not what drafting costs
+    assert "x" not in c.costs and c.plan("x", 8) == 4
     c.observe_cost("x", 0.004, 8)
     assert c.draft_cost("x") == pytest.approx(0.0005)
     assert c.plan("x", 8) == 8  # all accepted, cheap drafting: all of it
@@ -362,6 +364,29 @@ def test_controller_counts_draft_cost_of_calls_without_tokens():
     assert c.catch_up["x"] == 5.0 and c.probe_interval("x") == PROBE_EVERY_MAX  # a 5 s catch-up: seldom
 
 
+def test_controller_does_not_price_a_prompt_catch_up_as_drafting():
+    """A hidden-state head writes a row per prompt token at its first call for a sequence: 0.4 s
+    for a long prompt, then 2 ms a drafted token. Served, one request after another on one slot
+    (the same sequence id), it must keep drafting: counted as drafting, the first call priced it
+    at 0.1 s a token and it was declined for the rest of the session."""
+    c = DraftLengthController()
+    for rows in range(1, 6):
+        c.observe_forward(rows, 0.050 + 0.004 * rows)
+    drafted = []
+    for request in range(3):
+        first = True
+        for _ in range(100):
+            k = c.plan("head", 4, seq_id=0)
+            drafted.append(k)
+            if k:
+                c.observe_cost("head", 0.4 if first else 0.002 * k, k, seq_id=0)
+                first = False
+                c.observe_draft("head", k, min(k, 2))  # the first two of every draft accepted
+        c.forget(0)  # the request ended; the slot's next request is a new sequence
+    assert drafted.count(0) <= 1 and min(drafted[1:]) >= 2
+    assert c.draft_cost("head") == pytest.approx(0.002)
+
+
 def test_controller_lengthens_drafts_that_are_always_accepted():
     """A speculator held to one-token drafts that are always accepted must be let to draft more:
     an untried position is estimated like the one before it, not like the pessimistic prior
@@ -370,6 +395,7 @@ def test_controller_lengthens_drafts_that_are_always_accepted():
     c.observe_forward(1, 0.060)
     c.observe_forward(2, 0.070)
     c.observe_forward(4, 0.080)
+    c.observe_cost("d", 1.0, 1)  # the first call catches up on the prompt (not counted)
     c.observe_cost("d", 0.030, 1)  # a draft model: half a target forward per token
     for _ in range(40):
         c.observe_draft("d", 1, 1)

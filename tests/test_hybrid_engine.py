@@ -145,6 +145,7 @@ def test_controller_counts_checkpoint_cost():
         c.acceptance["x"] = Acceptance()
         for _ in range(50):
             c.observe_draft("x", 4, 2)
+        c.observe_cost("x", 0.0, 4)  # the first call: catching up
         c.observe_cost("x", 0.0, 4)
         c.observe_checkpoint(checkpoint_seconds)
         return c

@@ -20,7 +20,11 @@ A declined spec type is still probed now and then so it can win back when text t
 as often as PROBE_BUDGET of plain decoding's time pays for (`probe_interval`).
 A probe is two drafts in a row for one sequence, and only the second one's cost is counted: a
 speculator that was not asked for a while may first catch up on what it missed (a draft model
-feeds the tokens of all the steps it sat out), which is not what drafting costs it.
+feeds the tokens of all the steps it sat out), which is not what drafting costs it. For the same
+reason a sequence's first call of each speculator is not counted either: it may feed the whole
+prompt (a hidden-state head writes a row per prompt token), and counted as drafting, one 935-token
+prompt priced an EAGLE3 head at 0.1 s a token, which declined it for the rest of a served
+session (3 of 384 steps drafted, 0.92x plain).
 """
 from __future__ import annotations
 
@@ -128,6 +132,7 @@ class DraftLengthController:
     declined_in_a_row: dict[str, int] = attrs.field(factory=dict)
     probing: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> probe drafts to go
     catch_up: dict[str, float] = attrs.field(factory=dict)  # spec type -> seconds of its last probe's first call
+    seen: set[tuple[str, int]] = attrs.field(factory=set)  # (spec type, sequence) whose first call is behind
     # A recurrent target without per-row states (checkpoint/replay): every verification pays a
     # checkpoint save (and, on a rejection, its restore), and the kept tokens of a partly
     # accepted draft are computed again as rows of the next step.
@@ -142,9 +147,16 @@ class DraftLengthController:
         self.acceptance.setdefault(spec_type, Acceptance()).observe(n_drafted, n_accepted)
 
     def observe_cost(self, spec_type: str, seconds: float, n_tokens: int, seq_id: int = 0) -> None:
-        """One call of a speculator for one sequence: its seconds and the tokens it produced (0 too)."""
-        if self.probing.get((spec_type, seq_id)) == 2:  # a probe's first draft: catching up, not drafting
-            self.probing[(spec_type, seq_id)] = 1
+        """One call of a speculator for one sequence: its seconds and the tokens it produced (0 too).
+        The sequence's first call and a probe's first call catch up on the history (not counted)."""
+        key = (spec_type, seq_id)
+        if key not in self.seen:  # the prompt's catch-up
+            self.seen.add(key)
+            if self.probing.get(key) == 2:
+                self.probing[key] = 1
+            return
+        if self.probing.get(key) == 2:  # a probe's first draft: catching up, not drafting
+            self.probing[key] = 1
             self.catch_up[spec_type] = seconds  # what the next probe's interval must pay for
             return
         self.probing.pop((spec_type, seq_id), None)
@@ -155,9 +167,10 @@ class DraftLengthController:
         self.checkpoint.observe(seconds, 1)
 
     def forget(self, seq_id: int) -> None:
-        """The sequence ended: drop a probe left unfinished for it."""
+        """The sequence ended: drop a probe left unfinished for it, and its first calls' marks."""
         for key in [k for k in self.probing if k[1] == seq_id]:
             del self.probing[key]
+        self.seen = {k for k in self.seen if k[1] != seq_id}
 
     def draft_cost(self, spec_type: str) -> float:
         """Measured seconds per drafted token (0 before any measurement)."""
