@@ -150,16 +150,16 @@ class DraftLengthController:
         """One call of a speculator for one sequence: its seconds and the tokens it produced (0 too).
         The sequence's first call and a probe's first call catch up on the history (not counted)."""
         key = (spec_type, seq_id)
-        if key not in self.seen:  # the prompt's catch-up
-            self.seen.add(key)
-            if self.probing.get(key) == 2:
-                self.probing[key] = 1
-            return
-        if self.probing.get(key) == 2:  # a probe's first draft: catching up, not drafting
+        probe_start = self.probing.get(key) == 2  # a probe's first draft: catching up, not drafting
+        if probe_start:
             self.probing[key] = 1
+        if key not in self.seen:  # the sequence's first call: the prompt's catch-up
+            self.seen.add(key)
+            return
+        if probe_start:
             self.catch_up[spec_type] = seconds  # what the next probe's interval must pay for
             return
-        self.probing.pop((spec_type, seq_id), None)
+        self.probing.pop(key, None)
         self.costs.setdefault(spec_type, DraftCost()).observe(seconds, n_tokens)
 
     def observe_checkpoint(self, seconds: float) -> None:
