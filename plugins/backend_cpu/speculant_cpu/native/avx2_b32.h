@@ -78,16 +78,18 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
         w[t] = (const Block*)(row + t * row_bytes);
         fs[t] = _mm256_setzero_ps();
     }
+    W4Prefetch pf(row, row_bytes, nb, sizeof(Block));
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const __m256i x = _mm256_loadu_si256((const __m256i*)(a.qs.data() + ab * 32));
         const float dx = a.d[ab];
         for (int t = 0; t < 4; ++t) {
-            if (b % 2 == 0) prefetch(&w[t][b], 64);
+            if (b % 2 == 0) pf.fetch(t, 64);
             const __m256i q = decode32(w[t][b]);
             fs[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q))),
                                     _mm256_set1_ps(f16(w[t][b].d) * dx), fs[t]);
         }
+        pf.next();
     }
     for (int t = 0; t < 4; ++t) y[t] = out8(fs[t]);
 }

@@ -291,6 +291,7 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
 // One activation row against four weight rows in Q6_K's canonical form (lane t: weight row t).
 void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m128 s = _mm_setzero_ps();
+    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const int8_t* xq = a.qs.data() + ab * 256;
@@ -299,11 +300,12 @@ void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a
         float d[4];
         for (int t = 0; t < 4; ++t) {
             const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ6K));
+            pf.fetch(t, sizeof(BlockQ6K));
             d[t] = f16(blk.d);
             q6k_dots<1>(blk, &xq, &bs, &acc[t]);
         }
         s = epilogue_q6k_canon(s, _mm_loadu_ps(d), _mm_set1_ps(a.d[ab]), hsum4(acc));
+        pf.next();
     }
     _mm_storeu_ps(y, s);
 }
@@ -314,6 +316,7 @@ template <int R>
 void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     __m128 s[R], sn[R];
     for (int r = 0; r < R; ++r) s[r] = sn[r] = _mm_setzero_ps();
+    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ4K));
     for (int b = 0; b < nb; ++b) {
         const int8_t* xq[R];
         __m128i bs[R];
@@ -327,7 +330,7 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
         float d[4], dmin[4];
         for (int t = 0; t < 4; ++t) {
             const BlockQ4K& blk = ((const BlockQ4K*)(row + t * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ4K));
+            pf.fetch(t, sizeof(BlockQ4K));
             d[t] = f16(blk.d);
             dmin[t] = f16(blk.dmin);
             const Q4Scales sc = q4k_scales2(blk);
@@ -342,6 +345,7 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
             const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
             epilogue_q4k(s[r], sn[r], _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc[r]), hsum4(mm[r]));
         }
+        pf.next();
     }
     for (int r = 0; r < R; ++r) _mm_storeu_ps(y + (i0 + r) * ldy, _mm_sub_ps(s[r], sn[r]));
 }
@@ -349,17 +353,19 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
 // One activation row against four weight rows in llama.cpp's decode arithmetic.
 void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const int8_t* xq = a.qs.data() + ab * 256;
         const int16_t* bs = a.bs16.data() + ab * 16;
         for (int t = 0; t < 4; ++t) {
             const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ6K));
+            pf.fetch(t, sizeof(BlockQ6K));
             __m256i v;
             q6k_dots<1>(blk, &xq, &bs, &v);
             s[t] = epilogue_q6k(s[t], a.d[ab] * f16(blk.d), v);
         }
+        pf.next();
     }
     for (int t = 0; t < 4; ++t) y[t] = hsum8(s[t]);
 }

@@ -25,6 +25,31 @@ inline void prefetch(const void* block, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
+// The four-row decode kernels (the _w4 ones) read block b of four consecutive weight rows at a
+// time, so what they read PREFETCH_BYTES later is block b + P of the same four rows, P =
+// PREFETCH_BYTES / (4 x block bytes), or past the rows' end a block of the four rows after them
+// (contiguous). prefetch() of the block itself lands PREFETCH_BYTES further in memory, which
+// for long rows (k = 8960: 5040 bytes a Q4_K row) is a row of the same four, read at the same
+// time: no distance at all. Per b: fetch(t) for each of the four rows, then next().
+struct W4Prefetch {
+    const uint8_t* row;
+    size_t row_bytes, block_bytes;
+    int nb, rem, groups = 0;  // block b + P is block `rem` of the rows `groups` x 4 rows further
+    W4Prefetch(const uint8_t* row, size_t row_bytes, int nb, size_t block_bytes)
+        : row(row), row_bytes(row_bytes), block_bytes(block_bytes), nb(nb) {
+        const int ahead = std::max(1, (int)(PREFETCH_BYTES / (4 * block_bytes)));
+        groups = ahead / nb;
+        rem = ahead % nb;
+    }
+    void next() {  // the next b
+        if (++rem == nb) rem = 0, ++groups;
+    }
+    void fetch(int t, int bytes) const {
+        const char* p = (const char*)row + ((int64_t)4 * groups + t) * row_bytes + rem * block_bytes;
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+    }
+};
+
 // The tiled kernels' weight stream: they read block b of 8 or 16 weight rows at a time, rows that
 // are only 864 bytes long in the 1.5B's k = 1536 matrices, so prefetch() a fixed distance ahead
 // lands in the chunk being computed. Instead, while a chunk computes, the next chunk (contiguous:

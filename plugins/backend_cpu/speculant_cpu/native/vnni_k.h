@@ -238,6 +238,7 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
 
 void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m128 s = _mm_setzero_ps();
+    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const int8_t* xq = a.qs.data() + ab * 256;
@@ -248,7 +249,7 @@ void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a
         float d[4];
         for (int t = 0; t < 4; ++t) {
             const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ6K));
+            pf.fetch(t, sizeof(BlockQ6K));
             d[t] = f16(blk.d);
             __m512i q[4];
             q6k_values(blk, q);
@@ -261,6 +262,7 @@ void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a
             acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
         }
         s = epilogue_q6k_canon(s, _mm_loadu_ps(d), _mm_set1_ps(a.d[ab]), hsum4(acc));
+        pf.next();
     }
     _mm_storeu_ps(y, s);
 }
@@ -276,6 +278,7 @@ template <int R>
 void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     __m128 s[R], sn[R];
     for (int r = 0; r < R; ++r) s[r] = sn[r] = _mm_setzero_ps();
+    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ4K));
     for (int b = 0; b < nb; ++b) {
         __m512i x[R][4];
         __m128i bs[R];
@@ -289,7 +292,7 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
         float d[4], dmin[4];
         for (int t = 0; t < 4; ++t) {
             const BlockQ4K& blk = ((const BlockQ4K*)(row + t * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ4K));
+            pf.fetch(t, sizeof(BlockQ4K));
             d[t] = f16(blk.d);
             dmin[t] = f16(blk.dmin);
             const __m256i sm = _mm256_cvtepu8_epi16(q4k_scales(blk));
@@ -308,12 +311,14 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
             const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
             epilogue_q4k(s[r], sn[r], _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc[r]), hsum4(mm[r]));
         }
+        pf.next();
     }
     for (int r = 0; r < R; ++r) _mm_storeu_ps(y + (i0 + r) * ldy, _mm_sub_ps(s[r], sn[r]));
 }
 
 void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
     for (int b = 0; b < nb; ++b) {
         const int64_t ab = (int64_t)i * a.nb + b;
         const int8_t* xq = a.qs.data() + ab * 256;
@@ -322,7 +327,7 @@ void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
         const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
         for (int t = 0; t < 4; ++t) {
             const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
-            prefetch(&blk, sizeof(BlockQ6K));
+            pf.fetch(t, sizeof(BlockQ6K));
             __m512i q[4];
             q6k_values(blk, q);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
@@ -333,6 +338,7 @@ void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
             s[t] = epilogue_q6k(s[t], a.d[ab] * f16(blk.d), _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr)));
         }
+        pf.next();
     }
     for (int t = 0; t < 4; ++t) y[t] = hsum8(s[t]);
 }
