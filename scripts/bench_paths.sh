@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 21 item 5: every kernel path served against llama.cpp in one sitting (docs/benchmarks.md).
-# Paths: AMX (where the CPU has it), AVX-512 VNNI without AMX (SPECULANT_AMX=0), AVX2 with AVX-VNNI
-# (SPECULANT_ISA=avx2). The peer: llama.cpp's AVX-512 build for the first two (ggml has no AMX
-# path for these types in that build) and its AVX2 build for the third. Each: plain decoding and
-# the best speculative configuration measured on code edits (ours: suffix,ngram-simple, 48 tokens,
-# depth 64; llama.cpp: ngram-map-k). ROUNDS=N interleaves N rounds (medians on a noisy box);
-# ONLY=workload limits the workloads (default code-edit-bisect).
+# Paths: AMX (where the CPU has it), AVX-512 VNNI without AMX (SPECULANT_AMX=0), AVX2 (SPECULANT_ISA=
+# avx2: with AVX-VNNI where the CPU has it, as on Intel since Alder Lake; without, as on AMD Zen 2-4).
+# The peer: llama.cpp's AVX-512 build for the first two (ggml has no AMX path for these types in
+# that build) and its AVX2 build for the third. Each: plain decoding and the best speculative
+# configuration measured on code edits (ours: suffix,ngram-simple, 48 tokens, depth 64, with the
+# adaptive controller off as "best" and on, the default, as "adaptive"; llama.cpp: ngram-map-k).
+# ROUNDS=N interleaves N rounds (medians on a noisy box); ONLY=workload limits the workloads
+# (default code-edit-bisect).
 #
 #   LLAMA_SERVER=.../build/bin/llama-server LLAMA_SERVER_AVX2=.../build-avx2/bin/llama-server scripts/bench_paths.sh
 set -u
@@ -17,7 +19,7 @@ SB="--specbench ${SPECBENCH:-../shared/bench/specbench.py} --workloads tests/dat
 PY=.venv/bin/python
 LS=${LLAMA_SERVER:?set LLAMA_SERVER to the AVX-512 llama-server of llama.cpp (docs/benchmarks.md has the build)}
 LS2=${LLAMA_SERVER_AVX2:-}
-BEST="--spec-type suffix,ngram-simple --spec-draft-n-max 48 --spec-suffix-max-depth 64 --no-spec-adaptive"
+SPEC="--spec-type suffix,ngram-simple --spec-draft-n-max 48 --spec-suffix-max-depth 64"
 
 paths=()
 grep -qw amx_tile /proc/cpuinfo && paths+=("amx:")
@@ -36,7 +38,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
   done
   for p in "${paths[@]}"; do
     path=${p%%:*}; envs=${p#*:}
-    for cfg in "plain:" "best:$BEST"; do
+    for cfg in "plain:" "best:$SPEC --no-spec-adaptive" "adaptive:$SPEC"; do
       name=${cfg%%:*}; flags=${cfg#*:}
       echo "== round $round: speculant $path $name"
       $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8090 --label ours-$path-$name -- \

@@ -15,6 +15,19 @@ Two decisions use it:
 * after drafting (`best_length`): how many of the drafted tokens to verify; the drafting is paid
   for then, so only verification cost counts.
 
+A speculator whose call costs under CHEAP_CALL of a plain step (an n-gram or suffix lookup) is
+always asked, at its full n_max: declining it saves nothing, and only its draft tells what it is
+worth, by the length it chose. A suffix tree drafts a long copy after a long match and a one-token
+guess after a short one: with one estimate for both, the guesses' rejections cut the copies short
+(per position, a copy's tokens look independent, so 48 tokens of a copy accepted whole are
+verified 6 at a time) or the copies' acceptance pays for verifying every guess (a one-token
+guess right 15% of the time costs 27% more than a plain step on a Zen 4 core). So a cheap
+speculator's draft is verified whole or not at all, by the share of tokens accepted from its
+drafts of the same length class (1, 2-3, 4-7, 8-15, 16+ tokens as proposed). A draft not
+verified still teaches its class: the engine compares it with the tokens the sequence then emits
+(`observe_shadow`), so a class that was dropped wins back as soon as its drafts turn right (the
+growing drafts of a copy the sequence has started to follow), at no cost.
+
 Acceptance is tracked per spec type with exponential forgetting, the forward cost per row count.
 A declined spec type is still probed now and then so it can win back when text turns repetitive,
 as often as PROBE_BUDGET of plain decoding's time pays for (`probe_interval`).
@@ -43,6 +56,17 @@ PROBE_BUDGET = 0.03
 PROBE_EVERY_MAX = 1024
 FIRST_DRAFT = 4  # most tokens a spec type drafts before its cost is known (a draft model pays per token)
 COST_DECAY = 0.9  # per observation of a speculator's cost: follows the last ~10 calls
+CHEAP_CALL = 0.02  # a call costing less than this share of a plain step is always made
+# A cheap speculator's draft is dropped only when its class loses more than this share of a plain
+# step's rate: near even, verifying is worth more than the step shows (a short draft accepted at
+# the start of a copy lets the next one be long; 13 of 26 drops went, measured on code edits).
+DROP_MARGIN = 0.05
+LENGTH_CLASSES = 5  # drafts of 1, 2-3, 4-7, 8-15 and 16+ tokens are estimated apart (best_length)
+
+
+def length_class(n: int) -> int:
+    """The length class of a draft of n >= 1 tokens as its speculator proposed it."""
+    return min(LENGTH_CLASSES - 1, n.bit_length() - 1)
 
 
 @attrs.define
@@ -108,15 +132,37 @@ class Acceptance:
 
 
 @attrs.define
+class ClassAcceptance:
+    """Decayed count of one length class's drafts (of a cheap speculator) and sum of the share of
+    each that was accepted (or, unverified, matched what the sequence emitted)."""
+
+    drafts: float = 0.0
+    shares: float = 0.0
+
+    def observe(self, n_tokens: int, n_accepted: int) -> None:
+        self.drafts = DECAY * self.drafts + 1
+        self.shares = DECAY * self.shares + n_accepted / n_tokens
+
+    def share(self) -> float:
+        """The share of a draft of this class expected accepted (the prior: half)."""
+        return (self.shares + PRIOR_ACCEPT * PRIOR_WEIGHT) / (self.drafts + PRIOR_WEIGHT)
+
+
+@attrs.define
 class DraftCost:
     """Decayed sums of a speculator's seconds and the tokens it produced in them."""
 
     seconds: float = 0.0
     tokens: float = 0.0
+    calls: float = 0.0
 
     def observe(self, seconds: float, tokens: int) -> None:
         self.seconds = COST_DECAY * self.seconds + seconds
         self.tokens = COST_DECAY * self.tokens + tokens
+        self.calls = COST_DECAY * self.calls + 1
+
+    def per_call(self) -> float:
+        return self.seconds / max(self.calls, 1.0)
 
     def per_token(self) -> float:
         # Calls that produced nothing still cost: with no tokens yet, count as if one was made.
@@ -128,6 +174,7 @@ class DraftLengthController:
     enabled: bool = True
     forward: ForwardCost = attrs.field(factory=ForwardCost)
     acceptance: dict[str, Acceptance] = attrs.field(factory=dict)
+    by_length: dict[tuple[str, int], ClassAcceptance] = attrs.field(factory=dict)  # (spec type, length class)
     costs: dict[str, DraftCost] = attrs.field(factory=dict)
     declined_in_a_row: dict[str, int] = attrs.field(factory=dict)
     probing: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> probe drafts to go
@@ -142,9 +189,17 @@ class DraftLengthController:
     def observe_forward(self, rows: int, seconds: float) -> None:
         self.forward.observe(rows, seconds)
 
-    def observe_draft(self, spec_type: str, n_drafted: int, n_accepted: int) -> None:
-        """A verified draft: n_drafted tokens, the first n_accepted of them accepted."""
+    def observe_draft(self, spec_type: str, n_drafted: int, n_accepted: int, proposed: int | None = None) -> None:
+        """A verified draft: n_drafted tokens, the first n_accepted of them accepted; `proposed`:
+        its length as the speculator proposed it, before best_length (default n_drafted)."""
         self.acceptance.setdefault(spec_type, Acceptance()).observe(n_drafted, n_accepted)
+        key = (spec_type, length_class(proposed or n_drafted))
+        self.by_length.setdefault(key, ClassAcceptance()).observe(proposed or n_drafted, n_accepted)
+
+    def observe_shadow(self, spec_type: str, proposed: int, n_matched: int) -> None:
+        """A draft of `proposed` tokens that best_length left unverified: set against what the
+        sequence emitted next, its first n_matched tokens were the same."""
+        self.by_length.setdefault((spec_type, length_class(proposed)), ClassAcceptance()).observe(proposed, n_matched)
 
     def observe_cost(self, spec_type: str, seconds: float, n_tokens: int, seq_id: int = 0) -> None:
         """One call of a speculator for one sequence: its seconds and the tokens it produced (0 too).
@@ -176,6 +231,12 @@ class DraftLengthController:
         """Measured seconds per drafted token (0 before any measurement)."""
         c = self.costs.get(spec_type)
         return 0.0 if c is None else c.per_token()
+
+    def cheap(self, spec_type: str) -> bool:
+        """Does a call of the speculator cost under CHEAP_CALL of a plain step (measured)? Never
+        on the replay path, where a verified draft also costs a checkpoint: plan counts it."""
+        c, t1 = self.costs.get(spec_type), self.forward.cost(1)
+        return not self.replay and c is not None and t1 is not None and c.per_call() < CHEAP_CALL * t1
 
     def _best(self, spec_type: str, n: int, cost_per_token: float, optimistic: bool = False) -> int | None:
         """argmax over k in 0..n of E(k) / T(k); None before the forward cost is known. With
@@ -218,6 +279,8 @@ class DraftLengthController:
             return min(n_max, FIRST_DRAFT)  # a first, short draft measures what the speculator costs
         if (spec_type, seq_id) in self.probing:
             return min(n_max, PROBE_LENGTH)  # the probe's second draft, whose cost is measured
+        if self.cheap(spec_type):
+            return n_max  # its draft decides (best_length)
         k = self._best(spec_type, n_max, self.draft_cost(spec_type), optimistic=True)
         if k is None:
             return n_max  # learn: verify and measure
@@ -248,9 +311,16 @@ class DraftLengthController:
         return int(min(PROBE_EVERY_MAX, max(PROBE_EVERY, math.ceil(probe / (PROBE_BUDGET * t1)))))
 
     def best_length(self, spec_type: str, n: int) -> int:
-        """How many of the n drafted tokens are worth verifying (at least 1: the decision to
-        draft was `plan`'s, and the drafting is paid for)."""
+        """How many of the n drafted tokens are worth verifying. A costly speculator's draft: at
+        least 1 (the decision to draft was `plan`'s, and the drafting is paid for). A cheap one's:
+        all or none, by its length class (see the module's doc); none: the step decodes plainly."""
         if not self.enabled or n == 0:
             return n
-        k = self._best(spec_type, n, 0.0)
-        return n if k is None else max(1, k)
+        if not self.cheap(spec_type):
+            k = self._best(spec_type, n, 0.0)
+            return n if k is None else max(1, k)
+        t1, tn = self.forward.cost(1), self.forward.cost(1 + n)
+        if t1 is None or tn is None:
+            return n
+        share = self.by_length.get((spec_type, length_class(n)), ClassAcceptance()).share()
+        return n if (1 + share * n) / tn > (1 - DROP_MARGIN) / t1 else 0

@@ -227,6 +227,16 @@ class CachedPrompt:
 
 
 @attrs.define
+class _Shadow:
+    """A draft the controller left unverified, being compared with what its sequence emits."""
+
+    spec_type: str
+    tokens: tuple[int, ...]
+    matched: int = 0  # its first tokens that the sequence emitted, in order
+    done: bool = False
+
+
+@attrs.define
 class _Part:
     """One sequence's rows in a step: a prompt chunk (draft None, no logits) or decoding rows."""
 
@@ -265,6 +275,8 @@ class Engine:
         self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline, grace=config.spec_grace,
                                      revive=config.spec_revive)
         self.controller = DraftLengthController(enabled=config.adaptive)
+        self._proposed: dict[int, int] = {}  # sequence -> length of its draft as proposed, until verified
+        self._shadows: dict[int, _Shadow] = {}  # sequence -> a draft left unverified, set against what it emits
         self.controller.replay = self.recurrent and not self.row_rollback
         self.spec_stats: dict[str, SpecTypeStats] = {}
         self.eog = frozenset(getattr(model.tokenizer, "eog_ids", ()) or ())
@@ -400,6 +412,8 @@ class Engine:
         self._detach(seq)
         self.sequences.pop(seq.seq_id, None)
         self.controller.forget(seq.seq_id)
+        self._proposed.pop(seq.seq_id, None)
+        self._shadows.pop(seq.seq_id, None)
         if seq.saved is not None:  # stopped between a checkpoint and its verification
             self.context.restore(seq.seq_id, seq.saved)
             seq.saved = None
@@ -460,6 +474,8 @@ class Engine:
         self.sequences.pop(seq.seq_id, None)
         self.context.drop(seq.seq_id)
         self.controller.forget(seq.seq_id)
+        self._proposed.pop(seq.seq_id, None)
+        self._shadows.pop(seq.seq_id, None)
         try:
             self.chain.end(seq.seq_id)
         except Exception as e:  # the sequence is gone either way
@@ -569,6 +585,7 @@ class Engine:
             row += n_logits
             hidden_row += len(p.batch)
             new[seq.seq_id], n_accepted = self._verify(seq, draft, logits, hidden, len(p.batch))
+            self._compare_shadow(seq, new[seq.seq_id])
             self._forks_ready(seq)
             seq.stats.decode_seconds += share
             if draft is not None:
@@ -580,9 +597,28 @@ class Engine:
                 st.add(len(draft), n_accepted)
                 st.verify_seconds += share
                 if draft.spec_type != GRAMMAR_SPEC_TYPE:  # the controller plans the speculators' drafts only
-                    self.controller.observe_draft(draft.spec_type, len(draft), n_accepted)
+                    self.controller.observe_draft(draft.spec_type, len(draft), n_accepted,
+                                                  proposed=self._proposed.pop(seq.seq_id, None))
         self._tell_accepts()
         return new
+
+    def _compare_shadow(self, seq: Sequence, emitted: list[int]) -> None:
+        """Set the sequence's unverified draft, if any, against the tokens it emitted; once they
+        part (or the draft is used up), tell the controller how far they agreed."""
+        shadow = self._shadows.get(seq.seq_id)
+        if shadow is None:
+            return
+        for token in emitted:
+            if token != shadow.tokens[shadow.matched]:
+                shadow.done = True
+                break
+            shadow.matched += 1
+            if shadow.matched == len(shadow.tokens):
+                shadow.done = True
+                break
+        if shadow.done:
+            del self._shadows[seq.seq_id]
+            self.controller.observe_shadow(shadow.spec_type, len(shadow.tokens), shadow.matched)
 
     def _tell_accepts(self) -> None:
         """The step's accept calls, for all its sequences together: one hand-off to each
@@ -654,6 +690,12 @@ class Engine:
                 if n_valid < len(draft):
                     draft = Draft(draft.tokens[:n_valid], draft.spec_type, None if draft.probs is None else draft.probs[:n_valid])
             keep = self.controller.best_length(draft.spec_type, len(draft))
+            if keep == 0:  # not worth its verification rows: the step decodes plainly
+                self._stats(draft.spec_type).declined += 1
+                seq.stats.n_declined += 1
+                self._shadows.setdefault(seq.seq_id, _Shadow(draft.spec_type, draft.tokens))
+                continue
+            self._proposed[seq.seq_id] = len(draft)  # the length class its acceptance is counted in
             if keep < len(draft):
                 draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
             drafts[seq.seq_id] = draft
