@@ -22,11 +22,14 @@ guess after a short one: with one estimate for both, the guesses' rejections cut
 (per position, a copy's tokens look independent, so 48 tokens of a copy accepted whole are
 verified 6 at a time) or the copies' acceptance pays for verifying every guess (a one-token
 guess right 15% of the time costs 27% more than a plain step on a Zen 4 core). So a cheap
-speculator's draft is verified whole or not at all, by the share of tokens accepted from its
-drafts of the same length class (1, 2-3, 4-7, 8-15, 16+ tokens as proposed). A draft not
-verified still teaches its class: the engine compares it with the tokens the sequence then emits
-(`observe_shadow`), so a class that was dropped wins back as soon as its drafts turn right (the
-growing drafts of a copy the sequence has started to follow), at no cost.
+speculator's draft is judged by the drafts of its length class (1, 2-3, 4-7, 8-15, 16+ tokens as
+proposed): verified whole, by the share of such drafts accepted (a copy's tokens stand or fall
+together), or cut to the k its class's acceptance by position gives (a draft sure of its first
+tokens only), whichever is expected faster, or not at all. A draft's tokens left unverified
+(all of it when it was dropped, the rest when it was cut and what was verified was accepted)
+still teach its class: the engine compares them with the tokens the sequence then emits
+(`observe_shadow`), so a class wins back as soon as its drafts turn right (the growing drafts of
+a copy the sequence has started to follow), at no cost.
 
 Acceptance is tracked per spec type with exponential forgetting, the forward cost per row count.
 A declined spec type is still probed now and then so it can win back when text turns repetitive,
@@ -175,6 +178,7 @@ class DraftLengthController:
     forward: ForwardCost = attrs.field(factory=ForwardCost)
     acceptance: dict[str, Acceptance] = attrs.field(factory=dict)
     by_length: dict[tuple[str, int], ClassAcceptance] = attrs.field(factory=dict)  # (spec type, length class)
+    by_length_position: dict[tuple[str, int], Acceptance] = attrs.field(factory=dict)  # the same, by position
     costs: dict[str, DraftCost] = attrs.field(factory=dict)
     declined_in_a_row: dict[str, int] = attrs.field(factory=dict)
     probing: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> probe drafts to go
@@ -189,16 +193,22 @@ class DraftLengthController:
     def observe_forward(self, rows: int, seconds: float) -> None:
         self.forward.observe(rows, seconds)
 
-    def observe_draft(self, spec_type: str, n_drafted: int, n_accepted: int, proposed: int | None = None) -> None:
+    def observe_draft(self, spec_type: str, n_drafted: int, n_accepted: int, proposed: int | None = None,
+                      share_known: bool = True) -> None:
         """A verified draft: n_drafted tokens, the first n_accepted of them accepted; `proposed`:
-        its length as the speculator proposed it, before best_length (default n_drafted)."""
+        its length as the speculator proposed it, before best_length (default n_drafted). Not
+        `share_known`: it was cut and all of it accepted, and the rest is being compared with what
+        the sequence emits (observe_shadow gives its class the whole draft's share)."""
         self.acceptance.setdefault(spec_type, Acceptance()).observe(n_drafted, n_accepted)
         key = (spec_type, length_class(proposed or n_drafted))
-        self.by_length.setdefault(key, ClassAcceptance()).observe(proposed or n_drafted, n_accepted)
+        self.by_length_position.setdefault(key, Acceptance()).observe(n_drafted, n_accepted)
+        if share_known:
+            self.by_length.setdefault(key, ClassAcceptance()).observe(proposed or n_drafted, n_accepted)
 
     def observe_shadow(self, spec_type: str, proposed: int, n_matched: int) -> None:
-        """A draft of `proposed` tokens that best_length left unverified: set against what the
-        sequence emitted next, its first n_matched tokens were the same."""
+        """A draft of `proposed` tokens that best_length left unverified (or cut, and the part
+        verified was accepted): set against what the sequence emitted, its first n_matched tokens
+        were the same."""
         self.by_length.setdefault((spec_type, length_class(proposed)), ClassAcceptance()).observe(proposed, n_matched)
 
     def observe_cost(self, spec_type: str, seconds: float, n_tokens: int, seq_id: int = 0) -> None:
@@ -238,15 +248,17 @@ class DraftLengthController:
         c, t1 = self.costs.get(spec_type), self.forward.cost(1)
         return not self.replay and c is not None and t1 is not None and c.per_call() < CHEAP_CALL * t1
 
-    def _best(self, spec_type: str, n: int, cost_per_token: float, optimistic: bool = False) -> int | None:
-        """argmax over k in 0..n of E(k) / T(k); None before the forward cost is known. With
+    def _best(self, spec_type: str, n: int, cost_per_token: float, optimistic: bool = False,
+              acc: Acceptance | None = None) -> int | None:
+        """argmax over k in 0..n of E(k) / T(k) (acceptance `acc`, default the spec type's over
+        all its drafts); None before the forward cost is known. With
         `optimistic`, a verification whose cost is not known yet is taken to cost what a plain
         step does (a lower bound): a draft that does not pay even then is declined, any other
         is verified and so measured."""
         t1 = self.forward.cost(1)
         if t1 is None or (self.forward.cost(2) is None and not optimistic):
             return None
-        acc = self.acceptance.get(spec_type, Acceptance())
+        acc = acc or self.acceptance.get(spec_type, Acceptance())
         best_k, best_rate = 0, 1.0 / t1
         expected, p = 1.0, 1.0
         alphas = acc.alphas(n)
@@ -322,5 +334,14 @@ class DraftLengthController:
         t1, tn = self.forward.cost(1), self.forward.cost(1 + n)
         if t1 is None or tn is None:
             return n
-        share = self.by_length.get((spec_type, length_class(n)), ClassAcceptance()).share()
-        return n if (1 + share * n) / tn > (1 - DROP_MARGIN) / t1 else 0
+        key = (spec_type, length_class(n))
+        share = self.by_length.get(key, ClassAcceptance()).share()
+        best_k, best_rate = n, (1 + share * n) / tn  # whole
+        position = self.by_length_position.get(key, Acceptance())
+        k = self._best(spec_type, n, 0.0, acc=position)  # cut (k = 0: plain beats every cut)
+        if k:
+            tk = self.forward.cost(1 + k)
+            expected = 1 + sum(math.prod(position.alphas(k)[: i + 1]) for i in range(k))
+            if tk is not None and expected / tk > best_rate:
+                best_k, best_rate = k, expected / tk
+        return best_k if best_rate > (1 - DROP_MARGIN) / t1 else 0

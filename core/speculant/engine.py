@@ -275,8 +275,8 @@ class Engine:
         self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline, grace=config.spec_grace,
                                      revive=config.spec_revive)
         self.controller = DraftLengthController(enabled=config.adaptive)
-        self._proposed: dict[int, int] = {}  # sequence -> length of its draft as proposed, until verified
-        self._shadows: dict[int, _Shadow] = {}  # sequence -> a draft left unverified, set against what it emits
+        self._proposed: dict[int, tuple[int, ...]] = {}  # sequence -> its draft as proposed, until verified
+        self._shadows: dict[int, list[_Shadow]] = {}  # sequence -> drafts left unverified, set against what it emits
         self.controller.replay = self.recurrent and not self.row_rollback
         self.spec_stats: dict[str, SpecTypeStats] = {}
         self.eog = frozenset(getattr(model.tokenizer, "eog_ids", ()) or ())
@@ -585,7 +585,6 @@ class Engine:
             row += n_logits
             hidden_row += len(p.batch)
             new[seq.seq_id], n_accepted = self._verify(seq, draft, logits, hidden, len(p.batch))
-            self._compare_shadow(seq, new[seq.seq_id])
             self._forks_ready(seq)
             seq.stats.decode_seconds += share
             if draft is not None:
@@ -597,28 +596,34 @@ class Engine:
                 st.add(len(draft), n_accepted)
                 st.verify_seconds += share
                 if draft.spec_type != GRAMMAR_SPEC_TYPE:  # the controller plans the speculators' drafts only
-                    self.controller.observe_draft(draft.spec_type, len(draft), n_accepted,
-                                                  proposed=self._proposed.pop(seq.seq_id, None))
+                    proposed = self._proposed.pop(seq.seq_id, draft.tokens)
+                    cut_and_kept = n_accepted == len(draft) < len(proposed)
+                    if cut_and_kept:  # the rest of the draft, set against what the sequence emits (this step's tokens on)
+                        self._shadows.setdefault(seq.seq_id, []).append(_Shadow(draft.spec_type, proposed))
+                    self.controller.observe_draft(draft.spec_type, len(draft), n_accepted, proposed=len(proposed),
+                                                  share_known=not cut_and_kept)
+            self._compare_shadow(seq, new[seq.seq_id])
         self._tell_accepts()
         return new
 
     def _compare_shadow(self, seq: Sequence, emitted: list[int]) -> None:
-        """Set the sequence's unverified draft, if any, against the tokens it emitted; once they
-        part (or the draft is used up), tell the controller how far they agreed."""
-        shadow = self._shadows.get(seq.seq_id)
-        if shadow is None:
+        """Set the sequence's unverified drafts against the tokens it emitted; once one parts from
+        them (or is used up), tell the controller how far they agreed."""
+        shadows = self._shadows.get(seq.seq_id)
+        if not shadows:
             return
-        for token in emitted:
-            if token != shadow.tokens[shadow.matched]:
-                shadow.done = True
-                break
-            shadow.matched += 1
-            if shadow.matched == len(shadow.tokens):
-                shadow.done = True
-                break
-        if shadow.done:
-            del self._shadows[seq.seq_id]
-            self.controller.observe_shadow(shadow.spec_type, len(shadow.tokens), shadow.matched)
+        for shadow in shadows:
+            for token in emitted:
+                if token != shadow.tokens[shadow.matched]:
+                    shadow.done = True
+                    break
+                shadow.matched += 1
+                if shadow.matched == len(shadow.tokens):
+                    shadow.done = True
+                    break
+            if shadow.done:
+                self.controller.observe_shadow(shadow.spec_type, len(shadow.tokens), shadow.matched)
+        self._shadows[seq.seq_id] = [s for s in shadows if not s.done]
 
     def _tell_accepts(self) -> None:
         """The step's accept calls, for all its sequences together: one hand-off to each
@@ -693,9 +698,9 @@ class Engine:
             if keep == 0:  # not worth its verification rows: the step decodes plainly
                 self._stats(draft.spec_type).declined += 1
                 seq.stats.n_declined += 1
-                self._shadows.setdefault(seq.seq_id, _Shadow(draft.spec_type, draft.tokens))
+                self._shadows.setdefault(seq.seq_id, []).append(_Shadow(draft.spec_type, draft.tokens))
                 continue
-            self._proposed[seq.seq_id] = len(draft)  # the length class its acceptance is counted in
+            self._proposed[seq.seq_id] = draft.tokens  # its length class; the rest, if it is cut
             if keep < len(draft):
                 draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
             drafts[seq.seq_id] = draft
