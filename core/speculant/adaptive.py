@@ -24,8 +24,8 @@ verified 6 at a time) or the copies' acceptance pays for verifying every guess (
 guess right 15% of the time costs 27% more than a plain step on a Zen 4 core). So a cheap
 speculator's draft is judged by the drafts of its length class (1, 2-3, 4-7, 8-15, 16+ tokens as
 proposed): verified whole, by the share of such drafts accepted (a copy's tokens stand or fall
-together), or cut to the k its class's acceptance by position gives (a draft sure of its first
-tokens only), whichever is expected faster, or not at all. A draft's tokens left unverified
+together), or, under CUT_BELOW tokens, cut to the k its class's acceptance by position gives (a
+draft sure of its first tokens only), whichever is expected faster, or not at all. A draft's tokens left unverified
 (all of it when it was dropped, the rest when it was cut and what was verified was accepted)
 still teach its class: the engine compares them with the tokens the sequence then emits
 (`observe_shadow`), so a class wins back as soon as its drafts turn right (the growing drafts of
@@ -64,6 +64,12 @@ CHEAP_CALL = 0.02  # a call costing less than this share of a plain step is alwa
 # step's rate: near even, verifying is worth more than the step shows (a short draft accepted at
 # the start of a copy lets the next one be long; 13 of 26 drops went, measured on code edits).
 DROP_MARGIN = 0.05
+# A cheap speculator's drafts of this many tokens or more are verified whole or not at all, never
+# cut: they come from long matches, whose tokens stand or fall together, and the acceptance by
+# position (independent tokens) cut them to a few tokens a step (served on a Zen 4 core, one run
+# in three drafted 1.8 tokens a step, 0.71x the controller off). Shorter drafts may be cut (a
+# suffix tree's short matches on extract-table: sure of the first tokens only).
+CUT_BELOW = 8
 LENGTH_CLASSES = 5  # drafts of 1, 2-3, 4-7, 8-15 and 16+ tokens are estimated apart (best_length)
 
 
@@ -338,7 +344,8 @@ class DraftLengthController:
         share = self.by_length.get(key, ClassAcceptance()).share()
         best_k, best_rate = n, (1 + share * n) / tn  # whole
         position = self.by_length_position.get(key, Acceptance())
-        k = self._best(spec_type, n, 0.0, acc=position)  # cut (k = 0: plain beats every cut)
+        # cut (k = 0: plain beats every cut), drafts under CUT_BELOW tokens only
+        k = self._best(spec_type, n, 0.0, acc=position) if n < CUT_BELOW else 0
         if k:
             tk = self.forward.cost(1 + k)
             expected = 1 + sum(math.prod(position.alphas(k)[: i + 1]) for i in range(k))
