@@ -25,8 +25,9 @@ guess right 15% of the time costs 27% more than a plain step on a Zen 4 core). S
 speculator's draft is judged by the drafts of its length class (1, 2-3, 4-7, 8-15, 16+ tokens as
 proposed): verified whole, by the share of such drafts accepted (a copy's tokens stand or fall
 together), or, under CUT_BELOW tokens, cut to the k its class's acceptance by position gives (a
-draft sure of its first tokens only), whichever is expected faster, or not at all. A draft's tokens left unverified
-(all of it when it was dropped, the rest when it was cut and what was verified was accepted)
+draft sure of its first tokens only), whichever is expected faster, or not at all. A draft's
+tokens left unverified (all of it when it was dropped, the rest when it was cut and what was
+verified was accepted)
 still teach its class: the engine compares them with the tokens the sequence then emits
 (`observe_shadow`), so a class wins back as soon as its drafts turn right (the growing drafts of
 a copy the sequence has started to follow), at no cost.
@@ -62,7 +63,7 @@ COST_DECAY = 0.9  # per observation of a speculator's cost: follows the last ~10
 CHEAP_CALL = 0.02  # a call costing less than this share of a plain step is always made
 # A cheap speculator's draft is dropped only when its class loses more than this share of a plain
 # step's rate: near even, verifying is worth more than the step shows (a short draft accepted at
-# the start of a copy lets the next one be long; 13 of 26 drops went, measured on code edits).
+# the start of a copy lets the next one be long; on a code edit a margin of 0.1 made 13 drops of 26).
 DROP_MARGIN = 0.05
 # A cheap speculator's drafts of this many tokens or more are verified whole or not at all, never
 # cut: they come from long matches, whose tokens stand or fall together, and the acceptance by
@@ -331,7 +332,7 @@ class DraftLengthController:
     def best_length(self, spec_type: str, n: int) -> int:
         """How many of the n drafted tokens are worth verifying. A costly speculator's draft: at
         least 1 (the decision to draft was `plan`'s, and the drafting is paid for). A cheap one's:
-        all or none, by its length class (see the module's doc); none: the step decodes plainly."""
+        all, a cut, or 0, by its length class (see the module's doc); 0: the step decodes plainly."""
         if not self.enabled or n == 0:
             return n
         if not self.cheap(spec_type):
