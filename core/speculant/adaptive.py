@@ -256,9 +256,9 @@ class DraftLengthController:
         return not self.replay and c is not None and t1 is not None and c.per_call() < CHEAP_CALL * t1
 
     def _best(self, spec_type: str, n: int, cost_per_token: float, optimistic: bool = False,
-              acc: Acceptance | None = None) -> int | None:
-        """argmax over k in 0..n of E(k) / T(k) (acceptance `acc`, default the spec type's over
-        all its drafts); None before the forward cost is known. With
+              acc: Acceptance | None = None) -> tuple[int, float] | None:
+        """(k, E(k) / T(k)) for the k in 0..n that maximizes it (acceptance `acc`, default the spec
+        type's over all its drafts); None before the forward cost is known. With
         `optimistic`, a verification whose cost is not known yet is taken to cost what a plain
         step does (a lower bound): a draft that does not pay even then is declined, any other
         is verified and so measured."""
@@ -285,7 +285,7 @@ class DraftLengthController:
             rate = expected / ((t1 if t is None else t) + cost_per_token * k + save + replay_by_j[k])
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return best_k
+        return best_k, best_rate
 
     def plan(self, spec_type: str, n_max: int, seq_id: int = 0) -> int:
         """How many tokens the speculator may draft for the sequence (0: do not ask it), its own
@@ -300,9 +300,10 @@ class DraftLengthController:
             return min(n_max, PROBE_LENGTH)  # the probe's second draft, whose cost is measured
         if self.cheap(spec_type):
             return n_max  # its draft decides (best_length)
-        k = self._best(spec_type, n_max, self.draft_cost(spec_type), optimistic=True)
-        if k is None:
+        best = self._best(spec_type, n_max, self.draft_cost(spec_type), optimistic=True)
+        if best is None:
             return n_max  # learn: verify and measure
+        k = best[0]
         if k == 0:
             streak = self.declined_in_a_row.get(spec_type, 0) + 1
             self.declined_in_a_row[spec_type] = streak
@@ -336,20 +337,16 @@ class DraftLengthController:
         if not self.enabled or n == 0:
             return n
         if not self.cheap(spec_type):
-            k = self._best(spec_type, n, 0.0)
-            return n if k is None else max(1, k)
+            best = self._best(spec_type, n, 0.0)
+            return n if best is None else max(1, best[0])
         t1, tn = self.forward.cost(1), self.forward.cost(1 + n)
         if t1 is None or tn is None:
             return n
         key = (spec_type, length_class(n))
         share = self.by_length.get(key, ClassAcceptance()).share()
         best_k, best_rate = n, (1 + share * n) / tn  # whole
-        position = self.by_length_position.get(key, Acceptance())
-        # cut (k = 0: plain beats every cut), drafts under CUT_BELOW tokens only
-        k = self._best(spec_type, n, 0.0, acc=position) if n < CUT_BELOW else 0
-        if k:
-            tk = self.forward.cost(1 + k)
-            expected = 1 + sum(math.prod(position.alphas(k)[: i + 1]) for i in range(k))
-            if tk is not None and expected / tk > best_rate:
-                best_k, best_rate = k, expected / tk
+        if n < CUT_BELOW:  # cut (k = 0: plain beats every cut)
+            cut = self._best(spec_type, n, 0.0, acc=self.by_length_position.get(key, Acceptance()))
+            if cut is not None and cut[0] and cut[1] > best_rate:
+                best_k, best_rate = cut
         return best_k if best_rate > (1 - DROP_MARGIN) / t1 else 0

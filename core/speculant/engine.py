@@ -639,6 +639,11 @@ class Engine:
     def _stats(self, spec_type: str) -> SpecTypeStats:
         return self.spec_stats.setdefault(spec_type, SpecTypeStats())
 
+    def _declined(self, seq: Sequence, spec_type: str) -> None:
+        """The controller did not let spec_type draft for seq this step (before or after drafting)."""
+        self._stats(spec_type).declined += 1
+        seq.stats.n_declined += 1
+
     def _limits(self, seq: Sequence) -> DraftLimits:
         o, c = seq.spec or _NO_OVERRIDE, self.config
         room = min(c.n_ctx - len(seq.tokens) - 1, seq.max_new_tokens - seq.n_generated - 1)
@@ -650,8 +655,7 @@ class Engine:
         cost and its verification (0: it is not asked, the next one of the chain is)."""
         k = self.controller.plan(spec_type, request.limits.n_max, request.seq.seq_id)
         if k <= 0:
-            self._stats(spec_type).declined += 1
-            self.sequences[request.seq.seq_id].stats.n_declined += 1
+            self._declined(self.sequences[request.seq.seq_id], spec_type)
         return request.limits if k == request.limits.n_max else attrs.evolve(request.limits, n_max=k)
 
     def _propose_all(self, seqs: list[Sequence]) -> dict[int, Draft | None]:
@@ -696,8 +700,7 @@ class Engine:
                     draft = Draft(draft.tokens[:n_valid], draft.spec_type, None if draft.probs is None else draft.probs[:n_valid])
             keep = self.controller.best_length(draft.spec_type, len(draft))
             if keep == 0:  # not worth its verification rows: the step decodes plainly
-                self._stats(draft.spec_type).declined += 1
-                seq.stats.n_declined += 1
+                self._declined(seq, draft.spec_type)
                 self._shadows.setdefault(seq.seq_id, []).append(_Shadow(draft.spec_type, draft.tokens))
                 continue
             self._proposed[seq.seq_id] = draft.tokens  # its length class; the rest, if it is cut
