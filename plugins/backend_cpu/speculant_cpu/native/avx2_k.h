@@ -327,12 +327,11 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
         }
         __m256i acc[R][4];
         __m128i mm[R][4];
-        float d[4], dmin[4];
+        __m128 d, dmin;
+        q4k_d_dmin4(row, row_bytes, b, d, dmin);
         for (int t = 0; t < 4; ++t) {
             const BlockQ4K& blk = ((const BlockQ4K*)(row + t * row_bytes))[b];
             pf.fetch(t, sizeof(BlockQ4K));
-            d[t] = f16(blk.d);
-            dmin[t] = f16(blk.dmin);
             const Q4Scales sc = q4k_scales2(blk);
             __m256i part[R][4];
             q4k_dots<R, false>(blk, sc.sc, xq, part);
@@ -343,7 +342,7 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
         }
         for (int r = 0; r < R; ++r) {
             const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
-            epilogue_q4k(s[r], sn[r], _mm_loadu_ps(d), _mm_loadu_ps(dmin), _mm_set1_ps(a.d[ab]), hsum4(acc[r]), hsum4(mm[r]));
+            epilogue_q4k(s[r], sn[r], d, dmin, _mm_set1_ps(a.d[ab]), hsum4(acc[r]), hsum4(mm[r]));
         }
         pf.next();
     }
