@@ -62,10 +62,12 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
         const __m128i mins = _mm256_extracti128_si256(sm, 1);
         __m512i q[4];
         q4k_values(blk, q);
+#pragma GCC unroll 4
         for (int g = 0; g < NG; ++g) {
             __m512i acc[4];
             __m128i mm[4];
             float dx[4];
+#pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) {
                 const int i = 4 * g + t;
                 if (i >= NR) {
@@ -204,9 +206,11 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
         const __m512i sc16z = _mm512_castsi256_si512(sc16);
         __m512i sg[4];
         for (int g = 0; g < 4; ++g) sg[g] = _mm512_permutexvar_epi16(Q6.idx[g], sc16z);
+#pragma GCC unroll 4
         for (int g = 0; g < NG; ++g) {
             __m512i acc[4];
             float dx[4];
+#pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) {
                 const int i = 4 * g + t;
                 if (i >= NR) {
