@@ -78,10 +78,13 @@ int64_t first_key(const AttentionCall& c, int64_t p) { return c.window > 0 ? std
 // exp16_fast and exp_fast (the fp32 path), exp16_like_libm (llama.cpp's): vec16.h.
 
 constexpr int KEY_BLOCK = 16;
+// fp32 pairs scored together (their accumulators in registers: 4 chains each, 24 of 32 zmm)
+constexpr int GROUP_MAX = 6;
 constexpr int DOT_CHAINS = 4;  // a score is 4 fma chains over the dims d % 4, summed as a tree
-// vf16 accumulators the value loops keep in registers: those shared by a group of pairs, and
-// one pair's (at most 8). AVX2's 16 ymm hold a quarter of what AVX-512's 32 zmm hold of them.
-constexpr int ACC_VECS = SPK_AVX512 ? 16 : 4, ONE_VECS = SPK_AVX512 ? 8 : 4;
+// vf16 accumulators the value loops keep in registers: on AVX2 those shared by a group of pairs
+// (AVX-512: values_per_pass), and one pair's (at most 8). AVX2's 16 ymm hold a quarter of what
+// AVX-512's 32 zmm hold of them.
+constexpr int ACC_VECS = 4, ONE_VECS = SPK_AVX512 ? 8 : 4;
 
 // The fp32 path for one pair, scalar, in the grouped kernel's operation order: the reference it
 // is tested against bit for bit. Blocks of 16 keys start at multiples of 16 of the key index, so a
@@ -163,7 +166,10 @@ void attend_one(int64_t item, void* ctx) {
 // operations as attend_one, so the bits are the same. Pairs on the fp32 path (rows from
 // exact_below on) share the block's converted keys and values, the keys also transposed (16 keys
 // per dim) so that a pair's 16 scores are dk broadcast FMAs with no horizontal sums, each key
-// vector loaded once for four pairs (the kernel is bound by loads, about one vector per cycle).
+// vector loaded once for a group of up to GROUP_MAX pairs (a decode row's six query heads of a
+// kv head in Qwen2.5: one group). A group's values read the fp16 cache directly when it is the
+// block's only group, so a decode row converts no value row to a buffer. The scores' and values'
+// FMAs are about half of the time on Zen 4 (one zmm FMA a cycle); the key transposes a fifth.
 
 struct KeyWeight {
     float ms, vs;
@@ -317,48 +323,68 @@ inline void block_scores(const float* const* q, const float* kt, int dk, vf16* s
 }
 #endif
 
-// acc[0, 16 NV) = acc * corr + sum of w[u] V_u over keys ua..ub-1, the NV vectors in registers
-// through the keys (one broadcast per key for NV fmas).
-template <int NV>
-inline void accumulate(float* acc, const float* vf, int dvp, const float* w, int ua, int ub, vf16 corr) {
+// A key block's value rows: fp32, converted once for the many pairs of a chunk (F32Rows), or
+// straight from the fp16 cache (F16Rows: a few pairs, each vector converted as it is loaded,
+// no copy). The same values either way (the conversion is exact).
+struct F32Rows {
+    const float* p;
+    int stride;
+    vf16 load(int u, int i) const { return v_load(p + (int64_t)u * stride + 16 * i); }
+};
+struct F16Rows {
+    const uint16_t* p;
+    int stride;
+    vf16 load(int u, int i) const { return v_load_f16(p + (int64_t)u * stride + 16 * i); }
+};
+
+// acc[16 v0, 16 (v0 + NV)) = acc * corr + sum of w[u] V_u over keys ua..ub-1, the NV vectors in
+// registers through the keys (one broadcast per key for NV fmas).
+template <int NV, class Rows>
+inline void accumulate(float* acc, const Rows& vr, int v0, const float* w, int ua, int ub, vf16 corr) {
     vf16 x[NV];
-    for (int i = 0; i < NV; ++i) x[i] = v_mul(v_load(acc + 16 * i), corr);
+    for (int i = 0; i < NV; ++i) x[i] = v_mul(v_load(acc + 16 * (v0 + i)), corr);
     for (int u = ua; u < ub; ++u) {
         const vf16 wu = v_set1(w[u]);
-        for (int i = 0; i < NV; ++i) x[i] = v_fmadd(wu, v_load(vf + u * dvp + 16 * i), x[i]);
+        for (int i = 0; i < NV; ++i) x[i] = v_fmadd(wu, vr.load(u, v0 + i), x[i]);
     }
-    for (int i = 0; i < NV; ++i) v_store(acc + 16 * i, x[i]);
+    for (int i = 0; i < NV; ++i) v_store(acc + 16 * (v0 + i), x[i]);
 }
 
-// The online softmax step of one pair on the fp32 path for a block (fast_reference's
-// arithmetic), given its scores s: the block's weights w (0 outside keys ua..ub-1) and the factor
-// corr that rescales what the pair has accumulated so far.
-inline vf16 softmax_step(PairState& st, vf16 s, int ua, int ub, float* w) {
-    // keys outside the pair's range weigh exactly 0, whatever the cache holds there
-    const mask16 valid = m_range(ua, ub);
-    s = v_blend(valid, v_set1(-INFINITY), s);
-    const float m = std::max(st.M, v_reduce_max(s));
-    const float corr = st.M == -INFINITY ? 0.f : exp_fast(st.M - m);
-    const vf16 e = v_maskz(valid, exp16_fast(v_sub(s, v_set1(m))));
-    st.S = std::fma(st.S, corr, v_sum16(e));
-    st.M = m;
-    v_store(w, e);
-    return v_set1(corr);
+// The online softmax step of a group of P pairs on the fp32 path for a block (fast_reference's
+// arithmetic), given their scores s[i]: each pair's block weights w[i] (0 outside its keys
+// ua..ub-1) and the factor corr[i] that rescales what it has accumulated so far. The P
+// rescaling exps are one vector exp, lane i pair i's (lane by lane the arithmetic of exp_fast).
+inline void softmax_group(int P, PairState* const* st, vf16* s, const int* ua, const int* ub, float (*w)[KEY_BLOCK], vf16* corr) {
+    alignas(64) float arg[16] = {}, m[16] = {}, c[16];
+    for (int i = 0; i < P; ++i) {
+        // keys outside the pair's range weigh exactly 0, whatever the cache holds there
+        s[i] = v_blend(m_range(ua[i], ub[i]), v_set1(-INFINITY), s[i]);
+        m[i] = std::max(st[i]->M, v_reduce_max(s[i]));
+        arg[i] = st[i]->M == -INFINITY ? 0.f : st[i]->M - m[i];
+    }
+    v_store(c, exp16_fast(v_load(arg)));
+    for (int i = 0; i < P; ++i) {
+        const float ci = st[i]->M == -INFINITY ? 0.f : c[i];
+        const vf16 e = v_maskz(m_range(ua[i], ub[i]), exp16_fast(v_sub(s[i], v_set1(m[i]))));
+        st[i]->S = std::fma(st[i]->S, ci, v_sum16(e));
+        st[i]->M = m[i];
+        v_store(w[i], e);
+        corr[i] = v_set1(ci);
+    }
 }
 
 // The values of a block for P pairs with the same key range ua..ub-1: acc_i = acc_i * corr_i + sum
 // of w_i[u] V_u, key by key, each accumulator vector of each pair in its own register (the
 // operations of accumulate<> for each pair), every value vector loaded once for the P pairs.
 // Vectors [v0, v0 + NV) of the rows.
-template <int P, int NV>
-inline void accumulate_pairs(float* const* acc, const float* vf, int dvp, const float* const* w, int ua, int ub,
-                             const vf16* corr, int v0) {
+template <int P, int NV, class Rows>
+inline void accumulate_pairs(float* const* acc, const Rows& vr, const float* const* w, int ua, int ub, const vf16* corr, int v0) {
     vf16 x[P][NV];
     for (int i = 0; i < P; ++i)
         for (int j = 0; j < NV; ++j) x[i][j] = v_mul(v_load(acc[i] + 16 * (v0 + j)), corr[i]);
     for (int u = ua; u < ub; ++u) {
         vf16 vu[NV];
-        for (int j = 0; j < NV; ++j) vu[j] = v_load(vf + u * dvp + 16 * (v0 + j));
+        for (int j = 0; j < NV; ++j) vu[j] = vr.load(u, v0 + j);
         for (int i = 0; i < P; ++i) {
             const vf16 wu = v_set1(w[i][u]);
             for (int j = 0; j < NV; ++j) x[i][j] = v_fmadd(wu, vu[j], x[i][j]);
@@ -368,31 +394,59 @@ inline void accumulate_pairs(float* const* acc, const float* vf, int dvp, const 
         for (int j = 0; j < NV; ++j) v_store(acc[i] + 16 * (v0 + j), x[i][j]);
 }
 
-// The values of a block for P pairs (2 <= P <= 4) that share the key range ua..ub-1.
-template <int P>
-inline void values_shared(float* const* acc, const float* vf, int dvp, const float* const* w, int ua, int ub, const vf16* corr) {
-    constexpr int NV = std::max(1, ACC_VECS / P);  // P * NV accumulators in registers
-    const int nvec = dvp / 16;
+// The value vectors a pass of accumulate_pairs<P> keeps in registers for each of the P pairs: AVX-512,
+// P * NV accumulators, NV value vectors and a weight within the 32 zmm, NV a power of two (the
+// 128-value heads' 8 vectors in whole passes); AVX2, ACC_VECS / P.
+constexpr int values_per_pass(int P) {
+    if (!SPK_AVX512) return std::max(1, ACC_VECS / P);
+    int nv = 8;
+    while (nv > 1 && P * nv + nv + 1 > 32) nv /= 2;
+    return nv;
+}
+
+// The values of a block for P pairs (2 <= P <= GROUP_MAX) that share the key range ua..ub-1.
+template <int P, class Rows>
+inline void values_shared(float* const* acc, const Rows& vr, int nvec, const float* const* w, int ua, int ub, const vf16* corr) {
+    constexpr int NV = values_per_pass(P);
     int v0 = 0;
-    for (; v0 + NV <= nvec; v0 += NV) accumulate_pairs<P, NV>(acc, vf, dvp, w, ua, ub, corr, v0);
-    for (; v0 < nvec; ++v0) accumulate_pairs<P, 1>(acc, vf, dvp, w, ua, ub, corr, v0);
+    for (; v0 + NV <= nvec; v0 += NV) accumulate_pairs<P, NV>(acc, vr, w, ua, ub, corr, v0);
+    for (; v0 < nvec; ++v0) accumulate_pairs<P, 1>(acc, vr, w, ua, ub, corr, v0);
 }
 
 // The values of a block for one pair (its own key range).
-inline void values_one(float* acc, const float* vf, int dvp, const float* w, int ua, int ub, vf16 cv) {
-    for (int i = 0; i < dvp; i += 16 * ONE_VECS) {
-        float* a = acc + i;
-        const float* v = vf + i;
-        switch (std::min(ONE_VECS, (dvp - i) / 16)) {
-            case 8: accumulate<8>(a, v, dvp, w, ua, ub, cv); break;
-            case 7: accumulate<7>(a, v, dvp, w, ua, ub, cv); break;
-            case 6: accumulate<6>(a, v, dvp, w, ua, ub, cv); break;
-            case 5: accumulate<5>(a, v, dvp, w, ua, ub, cv); break;
-            case 4: accumulate<4>(a, v, dvp, w, ua, ub, cv); break;
-            case 3: accumulate<3>(a, v, dvp, w, ua, ub, cv); break;
-            case 2: accumulate<2>(a, v, dvp, w, ua, ub, cv); break;
-            default: accumulate<1>(a, v, dvp, w, ua, ub, cv); break;
+template <class Rows>
+inline void values_one(float* acc, const Rows& vr, int nvec, const float* w, int ua, int ub, vf16 cv) {
+    for (int v0 = 0; v0 < nvec; v0 += ONE_VECS) {
+        switch (std::min(ONE_VECS, nvec - v0)) {
+            case 8: accumulate<8>(acc, vr, v0, w, ua, ub, cv); break;
+            case 7: accumulate<7>(acc, vr, v0, w, ua, ub, cv); break;
+            case 6: accumulate<6>(acc, vr, v0, w, ua, ub, cv); break;
+            case 5: accumulate<5>(acc, vr, v0, w, ua, ub, cv); break;
+            case 4: accumulate<4>(acc, vr, v0, w, ua, ub, cv); break;
+            case 3: accumulate<3>(acc, vr, v0, w, ua, ub, cv); break;
+            case 2: accumulate<2>(acc, vr, v0, w, ua, ub, cv); break;
+            default: accumulate<1>(acc, vr, v0, w, ua, ub, cv); break;
         }
+    }
+}
+
+// The values of a group of P pairs: shared where they all have the same key range (every block
+// but a pair's first and last), else pair by pair.
+template <class Rows>
+inline void group_values(int P, float* const* acc, const Rows& vr, int nvec, const float* const* w, const int* ua, const int* ub,
+                         const vf16* corr) {
+    bool same = true;
+    for (int i = 1; i < P; ++i) same = same && ua[i] == ua[0] && ub[i] == ub[0];
+    if (!same || P == 1) {
+        for (int i = 0; i < P; ++i) values_one(acc[i], vr, nvec, w[i], ua[i], ub[i], corr[i]);
+        return;
+    }
+    switch (P) {
+        case 6: values_shared<6>(acc, vr, nvec, w, ua[0], ub[0], corr); break;
+        case 5: values_shared<5>(acc, vr, nvec, w, ua[0], ub[0], corr); break;
+        case 4: values_shared<4>(acc, vr, nvec, w, ua[0], ub[0], corr); break;
+        case 3: values_shared<3>(acc, vr, nvec, w, ua[0], ub[0], corr); break;
+        default: values_shared<2>(acc, vr, nvec, w, ua[0], ub[0], corr); break;
     }
 }
 
@@ -444,54 +498,51 @@ void attend_chunk(int64_t item, void* ctx) {
     // order matters).
     for (int64_t j0 = jlo & ~(int64_t)(KEY_BLOCK - 1); j0 <= jhi; j0 += KEY_BLOCK) {
         const int nb = (int)std::min<int64_t>(KEY_BLOCK, jhi - j0 + 1);
+        active.clear();
+        for (const int t : fast)
+            if (pairs[t].lo < j0 + nb && pairs[t].hi >= j0) active.push_back(t);
+        // A few fp32 pairs (a decode row's query heads) read the value rows straight from the fp16
+        // cache; many share one fp32 copy of them, as the exact path's pairs do.
+        const bool fold_v = c.dv % 16 == 0 && (int)active.size() <= GROUP_MAX;
+        const bool v_f32 = !exact.empty() || !fold_v;
         for (int u = 0; u < nb; ++u) {
             if (!exact.empty()) to_f32(kbuf.data() + u * c.dk, kh + (j0 + u) * c.dk, c.dk);
-            to_f32(vbuf.data() + u * dvp, vh + (j0 + u) * c.dv, c.dv);
+            if (v_f32) to_f32(vbuf.data() + u * dvp, vh + (j0 + u) * c.dv, c.dv);
         }
-        if (!fast.empty()) {
+        if (!active.empty()) {
             keys_transposed(ktbuf.data(), kh + j0 * c.dk, nb, c.dk);
-            active.clear();
-            for (const int t : fast)
-                if (pairs[t].lo < j0 + nb && pairs[t].hi >= j0) active.push_back(t);
-            for (size_t f = 0; f < active.size(); f += 4) {  // scores four pairs at a time
-                const int P = (int)std::min<size_t>(4, active.size() - f);
-                const float* qs[4];
-                vf16 s[4];
+            const F32Rows v32{vbuf.data(), dvp};
+            const F16Rows v16{vh + j0 * c.dv, c.dv};
+            for (size_t f = 0; f < active.size(); f += GROUP_MAX) {  // scores GROUP_MAX pairs at a time
+                const int P = (int)std::min<size_t>(GROUP_MAX, active.size() - f);
+                const float* qs[GROUP_MAX];
+                vf16 s[GROUP_MAX];
                 for (int i = 0; i < P; ++i) qs[i] = pairs[active[f + i]].q;
                 switch (P) {
+                    case 6: block_scores<6>(qs, ktbuf.data(), c.dk, s); break;
+                    case 5: block_scores<5>(qs, ktbuf.data(), c.dk, s); break;
                     case 4: block_scores<4>(qs, ktbuf.data(), c.dk, s); break;
                     case 3: block_scores<3>(qs, ktbuf.data(), c.dk, s); break;
                     case 2: block_scores<2>(qs, ktbuf.data(), c.dk, s); break;
                     default: block_scores<1>(qs, ktbuf.data(), c.dk, s); break;
                 }
-                // softmax steps, then the values: shared by the pairs when all have the same key
-                // range (every block but a pair's first and last), else pair by pair
-                alignas(64) float w[4][KEY_BLOCK];
-                const float* wp[4];
-                float* accs[4];
-                vf16 corr[4];
-                int ua[4], ub[4];
-                bool same = true;
+                alignas(64) float w[GROUP_MAX][KEY_BLOCK];
+                const float* wp[GROUP_MAX];
+                float* accs[GROUP_MAX];
+                PairState* st[GROUP_MAX];
+                vf16 corr[GROUP_MAX];
+                int ua[GROUP_MAX], ub[GROUP_MAX];
                 for (int i = 0; i < P; ++i) {
                     const int t = active[f + i];
-                    PairState& st = pairs[t];
-                    ua[i] = (int)std::max<int64_t>(0, st.lo - j0);
-                    ub[i] = (int)std::min<int64_t>(nb, st.hi - j0 + 1);
-                    corr[i] = softmax_step(st, s[i], ua[i], ub[i], w[i]);
+                    st[i] = &pairs[t];
+                    ua[i] = (int)std::max<int64_t>(0, st[i]->lo - j0);
+                    ub[i] = (int)std::min<int64_t>(nb, st[i]->hi - j0 + 1);
                     wp[i] = w[i];
                     accs[i] = accf.data() + (size_t)t * dvp;
-                    same = same && ua[i] == ua[0] && ub[i] == ub[0];
                 }
-                if (same) {
-                    switch (P) {
-                        case 4: values_shared<4>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
-                        case 3: values_shared<3>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
-                        case 2: values_shared<2>(accs, vbuf.data(), dvp, wp, ua[0], ub[0], corr); break;
-                        default: values_one(accs[0], vbuf.data(), dvp, w[0], ua[0], ub[0], corr[0]); break;
-                    }
-                } else {
-                    for (int i = 0; i < P; ++i) values_one(accs[i], vbuf.data(), dvp, w[i], ua[i], ub[i], corr[i]);
-                }
+                softmax_group(P, st, s, ua, ub, w, corr);
+                if (fold_v) group_values(P, accs, v16, c.dv / 16, wp, ua, ub, corr);
+                else group_values(P, accs, v32, dvp / 16, wp, ua, ub, corr);
             }
         }
         for (const int t : exact) {
