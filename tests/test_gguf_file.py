@@ -352,3 +352,37 @@ def test_real_model_matches_reader_and_opens_fast(name):
     assert_matches_reader(str(path), compare_bytes=False)
     assert len(g.metadata["tokenizer.ggml.tokens"]) > 100_000
     assert read_gguf_metadata(path, prefixes=()) == g.metadata
+
+
+def test_joined_tensors_are_one_view_of_rows_that_lie_back_to_back(tmp_path):
+    """GGUFFile.joined gives the rows of tensors the file holds back to back, in one type and row
+    length, as one tensor without a copy; anything else (another type or row length, a gap of
+    padding, the wrong order, a missing name) gives None."""
+    path = str(tmp_path / "joined.gguf")
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((5, 8)).astype(np.float32)
+    qa, qb = quantize(rng.standard_normal((2, 256)).astype(np.float32), "Q4_K"), quantize(rng.standard_normal((4, 256)).astype(np.float32), "Q4_K")
+    w = GGUFWriter(path, "llama")
+    w.add_tensor("a", a)
+    w.add_tensor("b", b)
+    w.add_tensor("half", rng.standard_normal((2, 8)).astype(np.float16))
+    w.add_tensor("short", rng.standard_normal((1, 4)).astype(np.float32))  # 16 bytes, then padding
+    w.add_tensor("after_pad", rng.standard_normal((1, 4)).astype(np.float32))
+    w.add_tensor("qa", qa, raw_dtype=Q.Q4_K)
+    w.add_tensor("qb", qb, raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = open_gguf(path)
+    ab = g.joined(["a", "b"])
+    assert ab.shape == (8, 8) and ab.qtype == g.tensors["a"].qtype and ab.offset == g.tensors["a"].offset
+    assert np.array_equal(ab.data, np.concatenate([a, b]))
+    assert np.shares_memory(ab.data, g.tensors["b"].data)  # a view of the mapping, no copy
+    q = g.joined(["qa", "qb"])
+    assert q.shape == (6, 256) and np.array_equal(q.data, np.concatenate([g.tensors["qa"].data, g.tensors["qb"].data]))
+    assert g.joined(["b", "a"]) is None  # not in file order
+    assert g.joined(["b", "half"]) is None  # another type
+    assert g.joined(["short", "after_pad"]) is None  # padding between them
+    assert g.joined(["a", "missing"]) is None
+    assert g.joined(["a"]) is None

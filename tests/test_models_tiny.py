@@ -270,6 +270,32 @@ def test_architecture_exact_with_float32_backend(model_dir, arch, qtype):
     assert_close_to_reference(out.logits, ref, 1e-4)
 
 
+@pytest.mark.parametrize("arch,qtype", [("qwen2", "Q4_K"), ("llama", "F32")])
+def test_ffn_gate_and_up_lying_back_to_back_are_one_product_with_the_same_bits(model_dir, arch, qtype):
+    """The tiny models' writer puts each layer's ffn_gate and ffn_up back to back, as llama.cpp's
+    converters do: the llama family computes them as one product over the joined rows, and its
+    logits are those of the two products computed apart, bit for bit, prompt and decode rows."""
+    from speculant.gguf import open_gguf
+
+    path = model_file(model_dir, arch, qtype)
+    model = load_model(path, progress=False)
+    assert all(b.w_gate_up is not None and b.w_gate is None for b in model.blocks)
+    toks = tokens(10, seed=4)
+
+    def logits():
+        ctx = model.new_context(64)
+        first = model.forward(Batch.for_sequence(0, 0, toks[:8], logits="all", prompt_len=8), ctx).logits
+        return torch.cat([first, model.forward(Batch.for_sequence(0, 8, toks[8:], logits="all", prompt_len=8), ctx).logits])
+
+    joined = logits()
+    g = open_gguf(path)
+    for i, b in enumerate(model.blocks):
+        b.w_gate = model.backend.linear(g.tensors[f"blk.{i}.ffn_gate.weight"])
+        b.w_up = model.backend.linear(g.tensors[f"blk.{i}.ffn_up.weight"])
+        b.w_gate_up = None
+    assert torch.equal(logits(), joined)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_long_prefill_matches_reference(model_dir, arch):
     """A prompt longer than the per-row attention limit takes the masked batched attention path

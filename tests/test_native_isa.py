@@ -182,7 +182,7 @@ def test_elementwise_kernels_are_the_same_bits_on_every_isa():
 
     def swiglu(lib, rows):
         out = torch.empty(rows, gate.shape[1])
-        lib.spk_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), rows, gate.shape[1])
+        lib.spk_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), rows, gate.shape[1], gate.shape[1])
         return out
 
     for rows in (1, 3):

@@ -68,6 +68,25 @@ class GGUFFile:
         except KeyError:
             raise ModelFileError(f"{self.path}: tensor {shown(name)} is missing") from None
 
+    def joined(self, names: list[str]) -> TensorInfo | None:
+        """The rows of the named tensors as one tensor, without a copy, where the file holds them
+        back to back in one type and row length (llama.cpp's converters write a layer's FFN gate
+        and up matrices so); None where it does not. One matrix product over the joined rows
+        computes what the products over each compute."""
+        if self.mapping is None or len(names) < 2 or any(n not in self.tensors for n in names):
+            return None
+        parts = [self.tensors[n] for n in names]
+        first = parts[0]
+        for a, b in zip(parts, parts[1:]):
+            if (b.qtype != first.qtype or b.shape[1:] != first.shape[1:] or len(b.shape) != 2
+                    or b.data.dtype != first.data.dtype or a.offset + a.data.nbytes != b.offset):
+                return None
+        rows = sum(p.shape[0] for p in parts)
+        count = sum(p.data.size for p in parts)
+        data = np.frombuffer(self.mapping, dtype=first.data.dtype, count=count, offset=first.offset)
+        data = data.reshape((sum(p.data.shape[0] for p in parts),) + first.data.shape[1:])
+        return TensorInfo("+".join(names), first.qtype, (rows,) + tuple(first.shape[1:]), data, first.offset)
+
 
 # ---------------------------------------------------------------------------------------------------
 # GGUF header parsing (our own: gguf-py's GGUFReader builds a numpy view per vocabulary string and

@@ -263,9 +263,12 @@ class CpuBackend:
         """silu(gate) * up; natively with ggml's vector exp approximation."""
         if self.native is None:
             return F.silu(gate) * up
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        self.native.spk_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.shape[0], gate.shape[-1])
+        # rows of one stride (the halves of a joined gate/up product) are read in place
+        if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.stride(0) != up.stride(0):
+            gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty(gate.shape, dtype=torch.float32)
+        ld = gate.stride(0) if gate.dim() == 2 else gate.shape[-1]
+        self.native.spk_swiglu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel() // gate.shape[-1], gate.shape[-1], ld)
         return out
 
     def _native_gated_delta_net(self, state, q, k, v, decay, beta, scale, per_row=None):

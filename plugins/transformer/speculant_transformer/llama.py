@@ -61,9 +61,10 @@ class LlamaBlock:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
-    w_gate: object
+    w_gate: object  # None where w_gate_up holds both
     w_up: object
     w_down: object
+    w_gate_up: object = None  # gate and up rows in one product, where the file holds them back to back
 
 
 class LlamaModel(DecoderModel):
@@ -76,6 +77,9 @@ class LlamaModel(DecoderModel):
         blocks = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
+            # one call for the FFN's gate and up products where it can be (one pass over the
+            # activations, one thread hand-off less a layer); the same rows, the same bits
+            gate_up = w.joined_linear([p + "ffn_gate.weight", p + "ffn_up.weight"], (cfg.n_ff, d))
             blocks.append(LlamaBlock(
                 attn_norm=w.tensor(p + "attn_norm.weight", (d,)),
                 wq=w.linear(p + "attn_q.weight", p + "attn_q.bias", (q_dim, d)),
@@ -85,9 +89,10 @@ class LlamaModel(DecoderModel):
                 q_norm=w.tensor(p + "attn_q_norm.weight", (cfg.head_dim,)) if w.has(p + "attn_q_norm.weight") else None,
                 k_norm=w.tensor(p + "attn_k_norm.weight", (cfg.head_dim,)) if w.has(p + "attn_k_norm.weight") else None,
                 ffn_norm=w.tensor(p + "ffn_norm.weight", (d,)),
-                w_gate=w.linear(p + "ffn_gate.weight", shape=(cfg.n_ff, d)),
-                w_up=w.linear(p + "ffn_up.weight", shape=(cfg.n_ff, d)),
+                w_gate=None if gate_up else w.linear(p + "ffn_gate.weight", shape=(cfg.n_ff, d)),
+                w_up=None if gate_up else w.linear(p + "ffn_up.weight", shape=(cfg.n_ff, d)),
                 w_down=w.linear(p + "ffn_down.weight", shape=(d, cfg.n_ff)),
+                w_gate_up=gate_up,
             ))
             if (blocks[-1].q_norm is None) != (blocks[-1].k_norm is None):
                 raise ModelFileError(f"{gguf.path}: layer {i} has only one of attn_q_norm and attn_k_norm")
@@ -122,7 +127,11 @@ class LlamaModel(DecoderModel):
 
                 h = norm(x, blk.ffn_norm, c.eps)
                 with ffn_scope(self.backend, batch, i, c.n_layers):
-                    x = x + blk.w_down(swiglu(blk.w_gate(h), blk.w_up(h)))
+                    if blk.w_gate_up is not None:
+                        gu = blk.w_gate_up(h)
+                        x = x + blk.w_down(swiglu(gu[:, : c.n_ff], gu[:, c.n_ff :]))
+                    else:
+                        x = x + blk.w_down(swiglu(blk.w_gate(h), blk.w_up(h)))
                 if i in hidden_layers:
                     hidden[i] = x
         commit(batch, groups, cache)

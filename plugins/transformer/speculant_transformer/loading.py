@@ -39,6 +39,18 @@ class WeightLoader:
         b = self._get(bias, optional=True, shape=(weight.shape[0],)) if bias else None
         return self._convert(lambda w: self.backend.linear(w, b), weight)
 
+    def joined_linear(self, names: list[str], shape: tuple[int, int]):
+        """One linear layer over the rows of `names` (each of `shape`), where the file holds them
+        back to back (GGUFFile.joined); None where it does not: load them one by one then."""
+        joined = getattr(self.gguf, "joined", None)
+        info = joined(names) if joined is not None else None
+        if info is None:
+            return None
+        for name in names:
+            check_shape(self.gguf, self.gguf.tensors[name], shape)
+        self.progress(info.data.nbytes)
+        return self._convert(lambda w: self.backend.linear(w, None), info)
+
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 

@@ -55,12 +55,12 @@ extern "C" {
 // scalar code with libm's expf (as ggml does for a row's tail). Element-wise, so the pool's
 // threads take pieces of SWIGLU_PIECE values (whole vectors) in any order: the division in silu
 // makes a row of 8960 about 3.5 us on one thread (48 rows: 182 -> 106 us on two).
-void spk_swiglu(const float* x, const float* g, float* y, int64_t rows, int64_t n) {
-    struct Call { const float *x, *g; float* y; int64_t n, pieces; } c{x, g, y, n, (n + SWIGLU_PIECE - 1) / SWIGLU_PIECE};
+void spk_swiglu(const float* x, const float* g, float* y, int64_t rows, int64_t n, int64_t ld) {
+    struct Call { const float *x, *g; float* y; int64_t n, ld, pieces; } c{x, g, y, n, ld, (n + SWIGLU_PIECE - 1) / SWIGLU_PIECE};
     auto piece = [](int64_t item, void* ctx) {
         const Call& c = *(const Call*)ctx;
         const int64_t r = item / c.pieces, i0 = (item % c.pieces) * SWIGLU_PIECE, i1 = std::min(c.n, i0 + SWIGLU_PIECE);
-        const float *x = c.x + r * c.n, *g = c.g + r * c.n;
+        const float *x = c.x + r * c.ld, *g = c.g + r * c.ld;
         float* y = c.y + r * c.n;
         int64_t i = i0;
         for (; i + 16 <= i1; i += 16)

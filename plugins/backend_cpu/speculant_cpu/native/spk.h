@@ -31,7 +31,7 @@ int64_t spk_exp_check(uint32_t first, uint32_t last, uint32_t step);
 int spk_vexp(int which, const float* x, int64_t n, float* y);
 
 // element-wise (elementwise.cpp)
-void spk_swiglu(const float* x, const float* g, float* y, int64_t rows, int64_t n);
+void spk_swiglu(const float* x, const float* g, float* y, int64_t rows, int64_t n, int64_t ld);  // x, g rows ld apart; y [rows, n]
 void spk_gelu_table(uint16_t* table);
 void spk_rope_table(const int64_t* pos, int64_t n, int n_dims, float base, float freq_scale, float* cos_out, float* sin_out);
 void spk_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
