@@ -258,10 +258,18 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             }
             return;
         }
-        if (qtype == T_Q4_K && !prompt && a1 - a0 == 2) {  // a one-token draft's verification: as decode
+        // A one-token draft's verification (2 rows), and on AVX-512 a two-token one's (3 rows): as
+        // decode, four weight rows at a time. Measured on Zen 4 with the weights in cache,
+        // 8960x1536, AVX-512: 3 rows 340-347 -> 298-317 us; at 4 rows the registers spill and the
+        // per-row kernels are faster (388 against 451 us); AVX2 at 3 rows no clear gain.
+        if (qtype == T_Q4_K && !prompt && a1 - a0 <= (SPK_AVX512 ? 3 : 2)) {
+            const int R = (int)(a1 - a0);
             int64_t r = r0;
-            for (; r + 4 <= r1; r += 4) dot_q4k_w4_rows<2>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + r, n);
-            for (; r < r1; ++r) dot_tile(2, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+            for (; r + 4 <= r1; r += 4) {
+                if (R == 2) dot_q4k_w4_rows<2>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + r, n);
+                else dot_q4k_w4_rows<3>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + r, n);
+            }
+            for (; r < r1; ++r) dot_tile(R, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
             return;
         }
         for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {

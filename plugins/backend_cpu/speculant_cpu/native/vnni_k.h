@@ -271,13 +271,6 @@ void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a
     _mm_storeu_ps(y, s);
 }
 
-// One activation row against four weight rows (decode): the four outputs' integer sums are
-// reduced together, one transpose-reduce for four results instead of one per result, and the
-// canonical epilogue runs on them lane-wise (lane t: weight row t). Per output the same IEEE
-// operations in the same order as the kernels above, so the bits are the same.
-// R activation rows (1: decode; 2: a one-token draft's verification, 7% faster than dot_q4k<2>
-// over the 1.5B model's weights; 3 gained nothing) against four weight rows, each weight block
-// decoded once for all R. Output y[(i0 + r) * ldy + t] for weight row t.
 // Q4.idx for the int16 scales of the row in the upper half of a zmm of two rows' scales.
 struct Q4HiIdx {
     __m512i idx[4];
@@ -328,9 +321,9 @@ struct Q4Headers4 {
 // reduced together, one transpose-reduce for four results instead of one per result, and the
 // canonical epilogue runs on them lane-wise (lane t: weight row t). Per output the same IEEE
 // operations in the same order as the kernels above, so the bits are the same.
-// R activation rows (1: decode; 2: a one-token draft's verification, 7% faster than dot_q4k<2>
-// over the 1.5B model's weights; 3 gained nothing) against four weight rows, each weight block
-// decoded once for all R. Output y[(i0 + r) * ldy + t] for weight row t.
+// R activation rows (1: decode; 2 or 3: a short draft's verification, see linear.cpp) against
+// four weight rows, each weight block decoded once for all R. Output y[(i0 + r) * ldy + t] for
+// weight row t.
 template <int R>
 void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i0, float* y, int64_t ldy) {
     __m128 s[R], sn[R];
