@@ -296,6 +296,32 @@ def test_ffn_gate_and_up_lying_back_to_back_are_one_product_with_the_same_bits(m
     assert torch.equal(logits(), joined)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_layers_give_the_bits_of_the_layer_piece_by_piece(model_dir, arch):
+    """With the native kernels, the llama family runs each layer but the last as one backend call
+    (BackendKernels.fused_layer): its logits, hidden states and cache rows are those of the layer
+    run piece by piece, bit for bit: short-prompt rows (llama.cpp's prompt arithmetic), decode rows,
+    rows past LLAMA_SPLIT_KV, two sequences in one batch."""
+    model = load_model(model_file(model_dir, arch, "Q4_K", n_layers=3), progress=False)
+    assert [f is not None for f in model.fused] == [True, True, False]
+    t = tokens(300, seed=5)
+
+    def run():
+        out, ctx = [], model.new_context(320)
+        out.append(model.forward(Batch.for_sequence(0, 0, t[:20], logits="all", prompt_len=20), ctx, hidden_layers=(0, 1)))
+        out.append(model.forward(Batch.for_sequence(0, 20, t[20:23], logits="all", prompt_len=20), ctx, hidden_layers=(0,)))
+        out.append(model.forward(Batch.for_sequence(1, 0, t[:280], logits="last", prompt_len=280), ctx))
+        two = Batch((0, 0, 1), (23, 24, 280), (t[23], t[24], t[280]), (True, True, True), (20, 20, 280))
+        out.append(model.forward(two, ctx, hidden_layers=(1,)))
+        logits = [o.logits for o in out]
+        hidden = [h for o in out for _, h in sorted(o.hidden.items())]
+        return logits + hidden + [torch.cat([k.flatten() for k in ctx.buffers(layer, s)]) for layer in range(3) for s in (0, 1)]
+
+    fused = run()
+    model.fused = [None] * 3
+    assert all(torch.equal(a, b) for a, b in zip(fused, run()))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_long_prefill_matches_reference(model_dir, arch):
     """A prompt longer than the per-row attention limit takes the masked batched attention path

@@ -6,13 +6,14 @@ from speculant.errors import DeviceUnavailable, LimitError, ModelFileError, Spec
 from speculant.hookspecs import hookimpl, hookspec
 from speculant.constraint import Constraint
 from speculant.types import Batch, Draft, DraftLimits, DraftRequest, ForwardOutput, SequenceView
-from speculant.model import Backend, BackendKernels, Context, Model, ModelInfo, RecurrentContext, backend_kernel
+from speculant.model import (Backend, BackendKernels, Context, DecoderLayerSpec, LayerRows, Model, ModelInfo, RecurrentContext,
+                             backend_kernel)
 from speculant.context import KVCache
 from speculant.hybrid import Checkpoint, HybridCache, kv_layers
 from speculant.options import float_where, int_in
 
 __all__ = [
-    "Backend", "BackendKernels", "Batch", "Checkpoint", "Constraint", "Context", "DeviceUnavailable", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "HybridCache", "KVCache", "LimitError",
+    "Backend", "BackendKernels", "Batch", "Checkpoint", "Constraint", "Context", "DecoderLayerSpec", "DeviceUnavailable", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "HybridCache", "KVCache", "LayerRows", "LimitError",
     "Model", "ModelFileError", "ModelInfo", "RecurrentContext", "SequenceView", "SpeculantError",
     "SpeculatorConfig", "backend_kernel", "float_where", "hookimpl", "hookspec", "int_in", "kv_layers", "load_model",
     "load_model_once",

@@ -118,6 +118,12 @@ class KVCache:
         s.v[layer][:, start:end] = v
         return s.k[layer][:, :end], s.v[layer][:, :end]
 
+    def buffers(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's whole K and V buffers of a layer ([n_kv_heads, capacity, head_dim]), for
+        a kernel that stores rows itself (BackendKernels.fused_layer); reserve() first."""
+        s = self.seqs[seq_id]
+        return s.k[layer], s.v[layer]
+
     def commit(self, seq_id: int, end: int) -> None:
         """After a forward: the sequence now holds tokens [0, end)."""
         self.seqs[seq_id].length = end

@@ -97,6 +97,44 @@ class Backend(Protocol):
     # Optional kernels: see BackendKernels below.
 
 
+@attrs.frozen
+class DecoderLayerSpec:
+    """A pre-norm decoder layer of the llama family, as a backend's `fused_layer` takes it:
+    x += Wo attn(rope(Wq n(x)), rope(Wk n(x)), Wv n(x)); x += Wd (silu(g) * u), [g | u] = Wgu n(x).
+    The linears are the backend's own (from its `linear`); biases, where the model has them,
+    belong to them."""
+
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    wq: Linear
+    wk: Linear
+    wv: Linear
+    wo: Linear
+    w_gate_up: Linear  # the gate rows, then the up rows
+    w_down: Linear
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_ff: int
+    eps: float
+    neox: bool
+    scale: float  # the attention's score scale
+    window: int = 0  # sliding-window attention (0: none)
+
+
+@attrs.frozen
+class LayerRows:
+    """What a fused layer needs of a forward's rows, besides x. `groups` holds, per sequence, its
+    rows [first, end) (consecutive positions) and its whole K and V cache buffers of this layer
+    ([n_kv_heads, capacity, head_dim], the backend's kv_dtype; KVCache.buffers), where the layer
+    stores the rows' keys and values as KVCache.write would."""
+
+    cos: torch.Tensor  # [rows, head_dim / 2], from rope_tables
+    sin: torch.Tensor
+    positions: torch.Tensor  # [rows] int64
+    groups: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+
 class BackendKernels(Protocol):
     """What a backend MAY add to `Backend`, for architectures to use where it has them (the CPU
     backend computes these as llama.cpp does); an architecture falls back to its own torch code
@@ -131,6 +169,13 @@ class BackendKernels(Protocol):
 
     def gelu_tanh(self, x: torch.Tensor) -> torch.Tensor:
         """GELU, tanh approximation."""
+        ...
+
+    def fused_layer(self, spec: DecoderLayerSpec) -> Callable[[torch.Tensor, LayerRows], torch.Tensor] | None:
+        """The whole layer as one kernel, where the backend has one for these weights (None: the
+        architecture runs the layer piece by piece). The callable maps x [rows, n_embd] to the
+        layer's output, storing the rows' keys and values in their caches, with the bits of the
+        piece-by-piece forward through this backend's kernels, inside the same `batch` scope."""
         ...
 
     def gated_delta_net(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from speculant.gguf import dequantize, dequantize_rows, unpack_q4_groups
 from speculant.logs import get_logger
 
-from speculant_cpu import native
+from speculant_cpu import fused, native
 
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
 GROUP = 32
@@ -319,6 +319,10 @@ class CpuBackend:
         sin = torch.empty(len(pos), head_dim // 2)
         self.native.spk_rope_table(pos.data_ptr(), len(pos), head_dim, base, 1.0 / scale, cos.data_ptr(), sin.data_ptr())
         return cos, sin
+
+    def fused_layer(self, spec):
+        """The layer as one native call (fused.py), where the native kernels take all of it."""
+        return fused.fused_layer(self, spec, NativeLinear)
 
     def embedding(self, weight):
         return QuantEmbedding(weight)

@@ -8,7 +8,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from speculant import Batch, ForwardOutput, KVCache, ModelFileError, backend_kernel
+from speculant import Batch, DecoderLayerSpec, ForwardOutput, KVCache, LayerRows, ModelFileError, backend_kernel
 from speculant.gguf import Tokenizer
 
 from speculant_transformer.layers import DecoderModel, attend, batch_scope, commit, ffn_scope, norm_fn, reserve, rope_fn, rotate_fn
@@ -98,8 +98,23 @@ class LlamaModel(DecoderModel):
                 raise ModelFileError(f"{gguf.path}: layer {i} has only one of attn_q_norm and attn_k_norm")
         # Tied embeddings: the output projection reuses token_embd when output.weight is absent.
         output = w.linear("output.weight" if w.has("output.weight") else "token_embd.weight", shape=(cfg.n_vocab, d))
-        return cls(cfg, model_info(gguf, cfg.n_vocab, cfg.n_embd, cfg.n_layers), tokenizer, backend,
-                   w.embedding("token_embd.weight", (cfg.n_vocab, d)), blocks, w.tensor("output_norm.weight", (d,)), output)
+        model = cls(cfg, model_info(gguf, cfg.n_vocab, cfg.n_embd, cfg.n_layers), tokenizer, backend,
+                    w.embedding("token_embd.weight", (cfg.n_vocab, d)), blocks, w.tensor("output_norm.weight", (d,)), output)
+        model.fused = model.fused_layers()
+        return model
+
+    def fused_layers(self) -> list:
+        """Per layer, the backend's fused kernel for it, or None (run piece by piece). The last
+        layer always runs piece by piece: its FFN computes only as decode rows (ffn_scope)."""
+        c, fuse = self.config, backend_kernel(self.backend, "fused_layer")
+        out = [None] * c.n_layers
+        for i, blk in enumerate(self.blocks[:-1]):
+            if fuse is not None and blk.q_norm is None and blk.w_gate_up is not None:
+                out[i] = fuse(DecoderLayerSpec(
+                    attn_norm=blk.attn_norm, ffn_norm=blk.ffn_norm, wq=blk.wq, wk=blk.wk, wv=blk.wv, wo=blk.wo,
+                    w_gate_up=blk.w_gate_up, w_down=blk.w_down, n_head=c.n_head, n_kv_head=c.n_kv_head,
+                    head_dim=c.head_dim, n_ff=c.n_ff, eps=c.eps, neox=c.neox, scale=c.head_dim**-0.5))
+        return out
 
     @torch.inference_mode()
     def forward(self, batch: Batch, cache: KVCache, hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
@@ -113,8 +128,14 @@ class LlamaModel(DecoderModel):
         swiglu = backend_kernel(self.backend, "swiglu", silu_times)
 
         x = self.embed(torch.tensor(batch.tokens))  # [rows, n_embd]
+        fused = getattr(self, "fused", None) or [None] * c.n_layers
         with batch_scope(self.backend, batch):
             for i, blk in enumerate(self.blocks):
+                if fused[i] is not None:  # the whole layer in one backend call
+                    x = fused[i](x, LayerRows(cos, sin, positions, [(a, b, *cache.buffers(i, s)) for s, a, b in groups]))
+                    if i in hidden_layers:
+                        hidden[i] = x
+                    continue
                 h = norm(x, blk.attn_norm, c.eps)
                 q = blk.wq(h).view(rows, c.n_head, c.head_dim)
                 k = blk.wk(h).view(rows, c.n_kv_head, c.head_dim)

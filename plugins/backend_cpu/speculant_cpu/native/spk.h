@@ -6,6 +6,35 @@
 
 extern "C" {
 
+// A decoder layer of the llama family (layer.cpp): its weights, fixed at load. Every field 8
+// bytes wide, so that the Python side mirrors the layout with plain ctypes fields.
+struct SpkMatrix {
+    int64_t qtype;
+    const void* w;  // the GGUF rows (n rows of k values)
+    int64_t n, k;
+};
+struct SpkLlamaLayer {
+    int64_t d, n_head, n_kv, head_dim, n_ff, neox;
+    double eps, attn_scale;  // used as float
+    const float *attn_norm, *ffn_norm;
+    const float *bq, *bk, *bv;  // the q, k, v biases, or null
+    SpkMatrix wq, wk, wv, wo, w_gate_up, w_down;  // w_gate_up: the gate rows, then the up rows
+};
+// A sequence's rows [first, end) of a call and its layer's fp16 cache ([n_kv, capacity, head_dim]).
+struct SpkRowGroup {
+    int64_t first, end;
+    uint16_t *k_cache, *v_cache;
+    int64_t k_head_stride, v_head_stride;  // elements between kv heads
+};
+// What one forward passes each layer.
+struct SpkLayerCall {
+    const float *cos_t, *sin_t;       // [rows, head_dim / 2]
+    const int64_t* positions;         // [rows]
+    const uint8_t *kinds, *ffn_kinds;  // spk_linear_prompt's row kinds for the products, for the FFN's; null: decode rows
+    const SpkRowGroup* groups;
+    int64_t n_groups, window, exact_below;  // attention: see spk_attention_f16
+};
+
 // library and threads
 int spk_abi_version();
 int spk_isa();  // 1 AVX-512, 2 AVX2 + AVX-VNNI, 3 AVX2 (cpu.cpp)
@@ -36,6 +65,9 @@ void spk_gelu_table(uint16_t* table);
 void spk_rope_table(const int64_t* pos, int64_t n, int n_dims, float base, float freq_scale, float* cos_out, float* sin_out);
 void spk_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void spk_rope_apply(float* x, const float* cos_t, const float* sin_t, int64_t rows, int64_t heads, int64_t d, int neox);
+
+// whole layers (layer.cpp)
+int spk_llama_layer(const SpkLlamaLayer* L, const SpkLayerCall* c, const float* x_in, float* x_out, int64_t rows);
 
 // recurrent layers (deltanet.cpp)
 int spk_gated_delta_net(float* state, const float* q, const float* k, const float* v, const float* decay, const float* beta, int64_t n, int hv, int dv, int dk, float scale, float* out, float* per_row);
