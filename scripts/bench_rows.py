@@ -11,8 +11,9 @@ Two kinds of forward, each from a fresh cache state every repeat (the rows are t
   verification step of a draft of N-1 tokens.
 
 Row counts are alternated within each repeat (interleaved), medians reported in ms and ms/row.
-`--split` times the native calls by kind (linear by GGML type and shape, attention, element-wise)
-for one more run at each count, so the rest (Python, torch glue) shows as the difference.
+`--split` times the native calls by kind (linear by GGML type and shape, attention, element-wise,
+fused layers) for one more run at each count, so the rest (Python, torch glue) shows as the
+difference; with `--pieces` every layer runs piece by piece, its kernels timed one by one.
 
     SPECULANT_AMX=0 .venv/bin/python scripts/bench_rows.py -m MODEL --pp 8,16,32,64,512 --verify 1,2,4,8,16,32,48 -r 5
 """
@@ -82,6 +83,9 @@ class Split:
                   lambda self_, x: f"linear {names.get(self_.qtype, self_.qtype)} {self_.out_features}x{self_.in_features}")
         for name in ("attention", "swiglu", "_native_rms_norm", "_native_apply_rope", "rope_tables"):
             self.wrap(b.CpuBackend, name, name.removeprefix("_native_"))
+        from speculant_cpu import fused
+
+        self.wrap(fused.FusedLlamaLayer, "__call__", "fused layers (every kernel of a layer in one call)")
 
 
 def main() -> int:
@@ -93,6 +97,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("-r", "--repeats", type=int, default=5)
     ap.add_argument("--split", action="store_true", help="instead: time the native calls by kind, one run per count")
+    ap.add_argument("--pieces", action="store_true", help="run every layer piece by piece (no fused_layer), e.g. to split "
+                    "a layer's time by kernel")
     args = ap.parse_args()
     pp = [int(s) for s in args.pp.split(",") if s.strip()]
     ver = [int(s) for s in args.verify.split(",") if s.strip()]
@@ -100,6 +106,8 @@ def main() -> int:
     if args.split:
         split.install()
     model = load_model(args.model, threads=args.threads, progress=False)
+    if args.pieces and hasattr(model, "fused"):
+        model.fused = [None] * len(model.fused)
     pp_context = model.new_context(max(pp, default=1) + 8)
     verify_context = model.new_context(args.context + max(ver, default=1) + 8) if ver else None
     if ver:
