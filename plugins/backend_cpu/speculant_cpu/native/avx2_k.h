@@ -132,6 +132,14 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
         prefetch(&blk, sizeof(BlockQ4K));
         const float d = f16(blk.d), dmin = f16(blk.dmin);
         const Q4Scales sc = q4k_scales2(blk);
+        // eight rows (every group of a prompt but its last) share one pass over the block's
+        // values: its nibbles split and its scales spread once, not once a group of four
+        __m256i part8[NR == 8 ? 8 : 1][4];
+        if constexpr (NR == 8) {
+            const int8_t* xq8[8];
+            for (int t = 0; t < 8; ++t) xq8[t] = a.qs.data() + ((int64_t)(i0 + t) * a.nb + b) * 256;
+            q4k_dots<8, false>(blk, sc.sc, xq8, part8);
+        }
         for (int g = 0; g < NG; ++g) {
             const int rows = std::min(4, NR - 4 * g);
             const int8_t* xq[4];
@@ -140,7 +148,9 @@ void dot_q4k(const BlockQ4K* w, int nb, const Act& a, int i0, float* y, int64_t 
             __m128i mm[4];
             float dx[4];
             for (int t = 0; t < 4; ++t) xq[t] = a.qs.data() + ((int64_t)(i0 + 4 * g + std::min(t, rows - 1)) * a.nb + b) * 256;
-            if (rows == 4) q4k_dots<4, false>(blk, sc.sc, xq, part);
+            if constexpr (NR == 8) {
+                for (int t = 0; t < 4; ++t) part[t][0] = part8[4 * g + t][0];
+            } else if (rows == 4) q4k_dots<4, false>(blk, sc.sc, xq, part);
             else if (rows == 3) q4k_dots<3, false>(blk, sc.sc, xq, part);
             else if (rows == 2) q4k_dots<2, false>(blk, sc.sc, xq, part);
             else q4k_dots<1, false>(blk, sc.sc, xq, part);
