@@ -264,6 +264,18 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
         const BlockQ6K& blk = w[b];
         prefetch(&blk, sizeof(BlockQ6K));
         const float d = f16(blk.d);
+        // eight rows share one decode of the block (as dot_q4k's)
+        __m256i acc8[NR == 8 ? 8 : 1];
+        if constexpr (NR == 8) {
+            const int8_t* xq8[8];
+            const int16_t* bs8[8];
+            for (int t = 0; t < 8; ++t) {
+                const int64_t ab = (int64_t)(i0 + t) * a.nb + b;
+                xq8[t] = a.qs.data() + ab * 256;
+                bs8[t] = a.bs16.data() + ab * 16;
+            }
+            q6k_dots<8>(blk, xq8, bs8, acc8);
+        }
         for (int g = 0; g < NG; ++g) {
             const int rows = std::min(4, NR - 4 * g);
             const int8_t* xq[4];
@@ -274,7 +286,9 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
                 bs[t] = a.bs16.data() + ab * 16;
             }
             __m256i acc[4];
-            if (rows == 4) q6k_dots<4>(blk, xq, bs, acc);
+            if constexpr (NR == 8) {
+                for (int t = 0; t < 4; ++t) acc[t] = acc8[4 * g + t];
+            } else if (rows == 4) q6k_dots<4>(blk, xq, bs, acc);
             else if (rows == 3) q6k_dots<3>(blk, xq, bs, acc);
             else if (rows == 2) q6k_dots<2>(blk, xq, bs, acc);
             else q6k_dots<1>(blk, xq, bs, acc);
