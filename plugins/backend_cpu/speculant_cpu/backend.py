@@ -322,7 +322,7 @@ class CpuBackend:
 
     def fused_layer(self, spec):
         """The layer as one native call (fused.py), where the native kernels take all of it."""
-        return fused.fused_layer(self, spec, NativeLinear)
+        return fused.fused_layer(self, spec, NativeLinear, LLAMA_SPLIT_KV)
 
     def embedding(self, weight):
         return QuantEmbedding(weight)

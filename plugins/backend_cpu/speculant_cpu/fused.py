@@ -12,8 +12,7 @@ import torch
 
 from speculant import DecoderLayerSpec, LayerRows
 
-LLAMA_SPLIT_KV = 256  # as backend.py's: the attention's fp32 path from this position on
-MAX_HEAD_DIM = 1024   # attention.cpp's
+MAX_HEAD_DIM = 1024  # attention.cpp's
 
 
 class SpkMatrix(ctypes.Structure):
@@ -33,7 +32,7 @@ class SpkRowGroup(ctypes.Structure):
 
 
 class SpkLayerCall(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("cos_t", "sin_t", "positions", "kinds", "ffn_kinds", "groups")] + [
+    _fields_ = [(name, ctypes.c_void_p) for name in ("cos_t", "sin_t", "positions", "kinds", "groups")] + [
         (name, ctypes.c_int64) for name in ("n_groups", "window", "exact_below")]
 
 
@@ -42,10 +41,11 @@ def _matrix(linear) -> SpkMatrix:
 
 
 class FusedLlamaLayer:
-    """spec's layer bound to its weights: call with (x, rows) inside the backend's batch scope."""
+    """spec's layer bound to its weights: call with (x, rows) inside the backend's batch scope.
+    Rows from position `exact_below` on take the attention's fp32 path (backend.LLAMA_SPLIT_KV)."""
 
-    def __init__(self, backend, spec: DecoderLayerSpec):
-        self.backend, self.lib, self.spec = backend, backend.native, spec
+    def __init__(self, backend, spec: DecoderLayerSpec, exact_below: int):
+        self.backend, self.lib, self.spec, self.exact_below = backend, backend.native, spec, exact_below
         self.d = spec.wq.in_features
         bias = [lin.bias for lin in (spec.wq, spec.wk, spec.wv)]
         # the weights the structure points at stay alive with this object
@@ -62,14 +62,14 @@ class FusedLlamaLayer:
         groups = (SpkRowGroup * len(rows.groups))(*(
             SpkRowGroup(a, b, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0)) for a, b, k, v in rows.groups))
         kinds = self.backend.row_kinds_ptr
-        call = SpkLayerCall(rows.cos.data_ptr(), rows.sin.data_ptr(), rows.positions.data_ptr(), kinds, kinds,
-                            ctypes.addressof(groups), len(rows.groups), self.spec.window, LLAMA_SPLIT_KV)
+        call = SpkLayerCall(rows.cos.data_ptr(), rows.sin.data_ptr(), rows.positions.data_ptr(), kinds,
+                            ctypes.addressof(groups), len(rows.groups), self.spec.window, self.exact_below)
         if self.lib.spk_llama_layer(ctypes.addressof(self.layer), ctypes.addressof(call), x.data_ptr(), out.data_ptr(), x.shape[0]):
             raise RuntimeError(f"the native layer refused a {x.shape[0]}x{self.d} input")
         return out
 
 
-def fused_layer(backend, spec: DecoderLayerSpec, native_linear: type) -> FusedLlamaLayer | None:
+def fused_layer(backend, spec: DecoderLayerSpec, native_linear: type, exact_below: int) -> FusedLlamaLayer | None:
     """The layer as one native call where every piece can take it: the native library, its
     linear kernels for all six matrices, an fp16 cache and head sizes the attention kernel has."""
     linears = (spec.wq, spec.wk, spec.wv, spec.wo, spec.w_gate_up, spec.w_down)
@@ -78,4 +78,4 @@ def fused_layer(backend, spec: DecoderLayerSpec, native_linear: type) -> FusedLl
     if not all(isinstance(m, native_linear) for m in linears) or spec.wo.bias is not None or spec.w_gate_up.bias is not None \
             or spec.w_down.bias is not None or spec.w_gate_up.out_features != 2 * spec.n_ff:
         return None
-    return FusedLlamaLayer(backend, spec)
+    return FusedLlamaLayer(backend, spec, exact_below)

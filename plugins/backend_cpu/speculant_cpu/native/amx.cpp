@@ -84,18 +84,8 @@ inline void amx_decode_q4k(const uint8_t* W, size_t row_bytes, int b, int r0, in
                            int32_t (*mins)[4], float (*dd)[2]) {
     const uint8_t* h[4];
     for (int l = 0; l < 4; ++l) h[l] = W + (size_t)std::min(r0 + l, nr - 1) * row_bytes + (size_t)b * sizeof(BlockQ4K);
-    // each 128-bit lane: the dwords (d | dmin, u0, u1, u2) of a row; q4k_scales lane-wise:
-    // (u0 & 3f, (u2 & 0f) | (u0 >> 2 & 30), u1 & 3f, (u2 >> 4 & 0f) | (u1 >> 2 & 30))
-    __m512i H = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)h[0]));
-    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[1]), 1);
-    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[2]), 2);
-    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[3]), 3);
-    const __m512i shifts = _mm512_set4_epi32(4, 0, 0, 0);
-    const __m512i mask_x = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
-    const __m512i mask_y = _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0);
-    const __m512i X = _mm512_srlv_epi32(_mm512_shuffle_epi32(H, (_MM_PERM_ENUM)0xED), shifts);                  // (u0, u2, u1, u2)
-    const __m512i Y = _mm512_and_si512(_mm512_srli_epi32(_mm512_shuffle_epi32(H, (_MM_PERM_ENUM)0xA5), 2), mask_y);  // (u0, u0, u1, u1)
-    const __m512i s8 = _mm512_ternarylogic_epi32(X, mask_x, Y, 0xEA);                                            // (X & mask_x) | Y
+    __m512i H;
+    const __m512i s8 = q4k_headers4(h, H);
     const __m512i w[2] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(s8)), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(s8, 1))};
     // the mins' int16 pairs (mn_2p, mn_2p+1): the upper 16 bytes of each row's 32 scale words
     _mm256_store_si256((__m256i*)mins[r0], _mm512_castsi512_si256(_mm512_maskz_compress_epi64(0xCC, w[0])));

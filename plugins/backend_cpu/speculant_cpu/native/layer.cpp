@@ -71,9 +71,9 @@ int spk_llama_layer(const SpkLlamaLayer* L, const SpkLayerCall* c, const float* 
     for (int64_t i = 0; i < rows * d; ++i) x_out[i] = x_in[i] + x_out[i];
 
     spk_rms_norm(x_out, L->ffn_norm, h.data(), rows, d, eps);
-    if (product(L->w_gate_up, h.data(), rows, gu.data(), nullptr, c->ffn_kinds)) return -1;
+    if (product(L->w_gate_up, h.data(), rows, gu.data(), nullptr, c->kinds)) return -1;
     spk_swiglu(gu.data(), gu.data() + n_ff, act.data(), rows, n_ff, 2 * n_ff);
-    if (product(L->w_down, act.data(), rows, h.data(), nullptr, c->ffn_kinds)) return -1;
+    if (product(L->w_down, act.data(), rows, h.data(), nullptr, c->kinds)) return -1;
     for (int64_t i = 0; i < rows * d; ++i) x_out[i] = x_out[i] + h[i];
     return 0;
 }

@@ -30,7 +30,7 @@ struct SpkRowGroup {
 struct SpkLayerCall {
     const float *cos_t, *sin_t;       // [rows, head_dim / 2]
     const int64_t* positions;         // [rows]
-    const uint8_t *kinds, *ffn_kinds;  // spk_linear_prompt's row kinds for the products, for the FFN's; null: decode rows
+    const uint8_t* kinds;             // spk_linear_prompt's row kinds for the products; null: decode rows
     const SpkRowGroup* groups;
     int64_t n_groups, window, exact_below;  // attention: see spk_attention_f16
 };

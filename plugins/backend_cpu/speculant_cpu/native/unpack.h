@@ -154,6 +154,22 @@ inline void q6k_values(const BlockQ6K& blk, __m512i q[4]) {
     }
 }
 
+// The headers of block b of four weight rows (h[t]: row t's block): H, each 128-bit lane the
+// dwords (d | dmin, u0, u1, u2) of a row, and, returned, their scales unpacked lane-wise as
+// q4k_scales does one row's: lane t holds row t's [sc0..sc7, mn0..mn7] as bytes.
+inline __m512i q4k_headers4(const uint8_t* const h[4], __m512i& H) {
+    H = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)h[0]));
+    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[1]), 1);
+    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[2]), 2);
+    H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)h[3]), 3);
+    const __m512i shifts = _mm512_set4_epi32(4, 0, 0, 0);
+    const __m512i mask_x = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
+    const __m512i mask_y = _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0);
+    const __m512i X = _mm512_srlv_epi32(_mm512_shuffle_epi32(H, (_MM_PERM_ENUM)0xED), shifts);                  // (u0, u2, u1, u2)
+    const __m512i Y = _mm512_and_si512(_mm512_srli_epi32(_mm512_shuffle_epi32(H, (_MM_PERM_ENUM)0xA5), 2), mask_y);  // (u0, u0, u1, u1)
+    return _mm512_ternarylogic_epi32(X, mask_x, Y, 0xEA);                                                       // (X & mask_x) | Y
+}
+
 #endif  // SPK_AVX512
 
 }  // namespace

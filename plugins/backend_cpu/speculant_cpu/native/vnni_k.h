@@ -288,18 +288,10 @@ struct Q4Headers4 {
     __m512i w[2];
     __m128 d, dmin;
     Q4Headers4(const uint8_t* row, size_t row_bytes, int b) {
-        const uint8_t* h = row + (size_t)b * sizeof(BlockQ4K);
-        // each 128-bit lane: the dwords (d | dmin, u0, u1, u2) of a row
-        __m512i H = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)h));
-        H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)(h + row_bytes)), 1);
-        H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)(h + 2 * row_bytes)), 2);
-        H = _mm512_inserti32x4(H, _mm_loadu_si128((const __m128i*)(h + 3 * row_bytes)), 3);
-        const __m512i shifts = _mm512_set4_epi32(4, 0, 0, 0);
-        const __m512i mask_x = _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f);
-        const __m512i mask_y = _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0);
-        const __m512i X = _mm512_srlv_epi32(_mm512_shuffle_epi32(H, (_MM_PERM_ENUM)0xED), shifts);                  // (u0, u2, u1, u2)
-        const __m512i Y = _mm512_and_si512(_mm512_srli_epi32(_mm512_shuffle_epi32(H, (_MM_PERM_ENUM)0xA5), 2), mask_y);  // (u0, u0, u1, u1)
-        const __m512i s8 = _mm512_ternarylogic_epi32(X, mask_x, Y, 0xEA);                                            // (X & mask_x) | Y
+        const uint8_t* h0 = row + (size_t)b * sizeof(BlockQ4K);
+        const uint8_t* const h[4] = {h0, h0 + row_bytes, h0 + 2 * row_bytes, h0 + 3 * row_bytes};
+        __m512i H;
+        const __m512i s8 = q4k_headers4(h, H);
         w[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(s8));
         w[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(s8, 1));
         // the four d | dmin dwords, their halves regrouped as (d0..d3, dmin0..dmin3)
