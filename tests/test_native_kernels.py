@@ -56,13 +56,10 @@ def zmm() -> bool:
 def tiled_path(rows: int) -> int:
     """What spk_last_path() says after a call of `rows` rows that the tiled kernels take where the
     build has them: on AVX-512, 4 where they take groups of 8 rows (a call of up to 64 rows whose
-    last 16-row group would be half empty or worse), else 3; on AVX2 with AVX-VNNI 3 (ymm halves
-    of the 16-row groups); without AVX-VNNI 1 (the per-row kernels)."""
-    isa = native.isa_of(lib)
-    if isa == "avx2":
+    last 16-row group would be half empty or worse), else 3; on AVX2, with AVX-VNNI or without, 3
+    (ymm halves of the 16-row groups)."""
+    if native.isa_of(lib) != "avx512":
         return 3
-    if isa != "avx512":
-        return 1
     return 4 if rows <= 64 and 0 < rows % 16 <= 8 else 3
 
 

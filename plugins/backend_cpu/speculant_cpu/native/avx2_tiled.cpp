@@ -1,15 +1,19 @@
-// The tiled kernels on AVX2 with AVX-VNNI (vpdpbusd on ymm): tiled.cpp's arithmetic on the same
-// activation layout (quantize_q8k_block_amx's 16-row groups), each group taken as two halves of 8
-// rows, a half's rows in the 8 int32 lanes of a ymm. Each weight dword is broadcast against them,
-// so a lane's sum collects one (weight row, activation row) pair with no horizontal reduction:
-// per run of values with one scale (a sub-block), vpdpbusd gives the exact sum, which the scale
-// multiplies. The per-row AVX2 kernels spend a vpmaddubsw and a vpdpwssd per 32 values of every
-// activation row and reduce across lanes after; here a vpdpbusd covers 4 values of 8 rows. The
-// same integers and the same epilogues lane-wise (epilogue.h), so the same bits (tests).
-// Without AVX-VNNI, vpdpbusd would take three instructions, and the per-row kernels stay.
+// The tiled kernels on AVX2: tiled.cpp's arithmetic on the same activation layout
+// (quantize_q8k_block_amx's 16-row groups), each group taken as two halves of 8 rows, a half's
+// rows in the 8 int32 lanes of a ymm. Each weight dword is broadcast against them, so a lane's
+// sum collects one (weight row, activation row) pair with no horizontal reduction: per run of
+// values with one scale (a sub-block), the exact sum, which the scale multiplies. The same
+// integers and the same epilogues lane-wise (epilogue.h), so the same bits (tests).
+//
+// With AVX-VNNI a vpdpbusd covers 4 values of 8 rows. Without it, vpmaddubsw gives the same 4
+// values of 8 rows as int16 pairs, which add up in int16 over a whole Q4_K sub-block (16
+// products of at most 15 x 128 a lane: no overflow) before one vpmaddwd applies the scale: 9
+// multiplies a sub-block where the per-row kernels (avx2_k.h) take 16, a vpmaddubsw and a
+// vpmaddwd per 32 values of each activation row. (Q6_K's values reach 63: two vpmaddubsw a
+// vpmaddwd.)
 #include "kernels.h"
 
-#if SPK_AVX2 && SPK_AVXVNNI
+#if SPK_AVX2
 
 #include "epilogue.h"
 #include "unpack.h"
@@ -29,11 +33,21 @@ inline __m256i bcast32(const uint8_t* p) {
     return _mm256_set1_epi32(w);
 }
 
+// acc + the int16 pairs of a times b, summed into int32 lanes
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
+#if SPK_AVXVNNI
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // isum[r] += scale[r] * (the sum over N dwords of weight row r's dwords wt0.. against the half
 // group's activation dwords bt0..): one run (sub-block) of every row of the pass.
 template <int N>
 inline void run_isums(const uint8_t (*qb)[256], const int8_t* Bh, int wt0, int bt0, const int32_t* scale, __m256i* isum) {
     constexpr int R = AVX2_TILED_ROWS;
+#if SPK_AVXVNNI
     __m256i c[R];
     for (int r = 0; r < R; ++r) c[r] = _mm256_setzero_si256();
     for (int u = 0; u < N; ++u) {
@@ -41,6 +55,21 @@ inline void run_isums(const uint8_t (*qb)[256], const int8_t* Bh, int wt0, int b
         for (int r = 0; r < R; ++r) c[r] = _mm256_dpbusd_avx_epi32(c[r], bcast32(qb[r] + 4 * (wt0 + u)), bz);
     }
     for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(c[r], _mm256_set1_epi32(scale[r])));
+#else
+    constexpr int IN16 = N == 8 ? 8 : 2;  // vpmaddubsw sums that fit in int16 (Q4_K: 8 of 15 x 128 x 2; Q6_K: 2 of 63 x 128 x 2)
+    for (int u0 = 0; u0 < N; u0 += IN16) {
+        __m256i c[R];
+        for (int r = 0; r < R; ++r) c[r] = _mm256_setzero_si256();
+        for (int u = u0; u < u0 + IN16; ++u) {
+            const __m256i bz = _mm256_loadu_si256((const __m256i*)(Bh + 64 * (bt0 + u)));
+            for (int r = 0; r < R; ++r) {
+                c[r] = _mm256_add_epi16(c[r], _mm256_maddubs_epi16(bcast32(qb[r] + 4 * (wt0 + u)), bz));
+                asm("" : "+x"(c[r]));  // in order: regrouped by the compiler, the products spill to the stack
+            }
+        }
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(c[r], _mm256_set1_epi32(pair16(scale[r], scale[r]))));
+    }
+#endif
 }
 
 // A Q4_K block's values in q4k_values' order (tiled.cpp): the low nibbles of packed bytes 0..63,
@@ -120,7 +149,7 @@ static void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
                         const __m256i bpk = _mm256_loadu_si256((const __m256i*)(bp + 16 * k));
                         for (int r = 0; r < nr; ++r) {
                             const uint8_t* mn = scm[r] + 8;
-                            const __m256i msum = _mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), _mm256_set1_epi32(pair16(mn[2 * k], mn[2 * k + 1])), bpk);
+                            const __m256i msum = dpwssd(_mm256_setzero_si256(), _mm256_set1_epi32(pair16(mn[2 * k], mn[2 * k + 1])), bpk);
                             __m256 s = _mm256_load_ps(acc[g][h][r]), sn = _mm256_load_ps(macc[g][h][r]);
                             epilogue_q4k(s, sn, _mm256_set1_ps(d[r]), _mm256_set1_ps(dmin[r]), dx, isum[r], msum);
                             _mm256_store_ps(acc[g][h][r], s);
@@ -136,7 +165,7 @@ static void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
                     const uint8_t* mn = scm[r] + 8;
                     __m256i msum = _mm256_setzero_si256();
                     for (int k = 0; k < 4; ++k)
-                        msum = _mm256_dpwssd_avx_epi32(msum, _mm256_set1_epi32(pair16(mn[2 * k], mn[2 * k + 1])),
+                        msum = dpwssd(msum, _mm256_set1_epi32(pair16(mn[2 * k], mn[2 * k + 1])),
                                                        _mm256_loadu_si256((const __m256i*)(bp + 16 * k)));
                     __m256 s = _mm256_load_ps(acc[g][h][r]), sn = _mm256_load_ps(macc[g][h][r]);
                     epilogue_q4k(s, sn, _mm256_set1_ps(d[r]), _mm256_set1_ps(dmin[r]), dx, isum[r], msum);
@@ -188,7 +217,7 @@ static void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
                 for (int r = 0; r < nr; ++r) {
                     __m256i corr = _mm256_setzero_si256();
                     for (int p = 0; p < 8; ++p)
-                        corr = _mm256_dpwssd_avx_epi32(corr, _mm256_set1_epi32(pair16(scs[r][2 * p], scs[r][2 * p + 1])),
+                        corr = dpwssd(corr, _mm256_set1_epi32(pair16(scs[r][2 * p], scs[r][2 * p + 1])),
                                                        _mm256_loadu_si256((const __m256i*)(bq + 16 * p)));
                     const __m256i v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr, 5));
                     const __m256 s = _mm256_load_ps(acc[g][h][r]), dr = _mm256_set1_ps(d[r]);
@@ -221,4 +250,4 @@ void linear_tiled(int qtype, bool prompt, const uint8_t* W, size_t row_bytes, in
 
 }  // namespace spk
 
-#endif  // SPK_AVX2 && SPK_AVXVNNI
+#endif  // SPK_AVX2

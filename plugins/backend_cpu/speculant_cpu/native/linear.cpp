@@ -149,8 +149,8 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
 #endif
     const int tiled_from = tiled_min_rows(qtype, k);
     // Every Q4_K mode, and Q6_K's forms with one integer sum per block (as AMX).
-    // (AVX-512, or AVX2 with AVX-VNNI: avx2_tiled.cpp)
-    const bool tiled = (SPK_AVX512 || SPK_AVXVNNI) && !amx && (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_tiled_min_rows > 0 &&
+    // (AVX-512, or AVX2: avx2_tiled.cpp)
+    const bool tiled = (SPK_AVX512 || SPK_AVX2) && !amx && (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_tiled_min_rows > 0 &&
                        m >= tiled_from;
     // The tiled kernels' groups of 8 rows (two weight rows per zmm) where 16-row groups would
     // leave the last one half empty or worse: up to 8 rows, 17-24, 33-40, 49-56 (few-row calls).
@@ -227,7 +227,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             return;
         }
 #endif
-#if SPK_AVX512 || SPK_AVXVNNI
+#if SPK_AVX512 || SPK_AVX2
         if (tiled) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
             const int64_t g0 = a0 / 16;
             const int ng = (int)((a1 - a0 + 15) / 16);
@@ -242,7 +242,13 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
                 const uint8_t* w4 = W + r * row_bytes;
                 float* y4 = y + a0 * n + r;
                 switch (qtype) {
-                    case T_Q4_K: dot_q4k_w4_rows<1>(w4, row_bytes, nb, a, (int)a0, y + r, n); break;
+                    case T_Q4_K:
+#if SPK_AVX512
+                        dot_q4k_w4_rows<1>(w4, row_bytes, nb, a, (int)a0, y + r, n);
+#else
+                        dot_q4k_w4_one(w4, row_bytes, nb, a, (int)a0, y4);
+#endif
+                        break;
                     case T_Q6_K:
                         if (canon) dot_q6k_canon_w4(w4, row_bytes, nb, a, (int)a0, y4);
                         else dot_q6k_w4(w4, row_bytes, nb, a, (int)a0, y4);
