@@ -78,8 +78,10 @@ inline Q4Scales q4k_scales2(const BlockQ4K& blk) {
 
 // Per activation row r: pair p (sub-blocks 2p and 2p+1) of sum_j sc_j * (q_j . x_j) in the
 // int32 lanes of part[r][p] when PAIRS, else the whole block's in part[r][0].
+// (Always inlined: called out of line, as GCC chose for the one-sum kernels' several row counts,
+// the sums go through memory: Q6_K canonical rows at 4 rows took twice dot_q6k<4>'s time.)
 template <int R, bool PAIRS>
-inline void q4k_dots(const BlockQ4K& blk, const __m256i sc, const int8_t* const* xq, __m256i (*part)[4]) {
+__attribute__((always_inline)) inline void q4k_dots(const BlockQ4K& blk, const __m256i sc, const int8_t* const* xq, __m256i (*part)[4]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < R; ++r)
         for (int p = 0; p < (PAIRS ? 4 : 1); ++p) part[r][p] = _mm256_setzero_si256();
@@ -99,7 +101,7 @@ inline void q4k_dots(const BlockQ4K& blk, const __m256i sc, const int8_t* const*
 // Per activation row r: v[r]'s lane l = the 4-value groups g % 8 == l of sum sc * q * x (the
 // stored values, q + 32), less 32 * (sc_2l * bsum16_2l + sc_2l+1 * bsum16_2l+1).
 template <int R>
-inline void q6k_dots(const BlockQ6K& blk, const int8_t* const* xq, const int16_t* const* bs, __m256i* v) {
+__attribute__((always_inline)) inline void q6k_dots(const BlockQ6K& blk, const int8_t* const* xq, const int16_t* const* bs, __m256i* v) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
     const __m128i sc8 = _mm_loadu_si128((const __m128i*)blk.scales);
     for (int r = 0; r < R; ++r) v[r] = _mm256_setzero_si256();

@@ -116,7 +116,7 @@ const Q4Idx Q4;
 
 // A Q4_K block's 256 4-bit values as four zmm, in the q4k order of the activations: the low and
 // high nibbles of its first 64 packed bytes, then of the next 64.
-inline void q4k_values(const BlockQ4K& blk, __m512i q[4]) {
+__attribute__((always_inline)) inline void q4k_values(const BlockQ4K& blk, __m512i q[4]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i q0 = _mm512_loadu_si512(blk.qs), q1 = _mm512_loadu_si512(blk.qs + 64);
     q[0] = _mm512_and_si512(q0, m4);
@@ -141,7 +141,8 @@ struct Q6Idx {
 const Q6Idx Q6;
 
 // A Q6_K block's 256 6-bit values (stored as q + 32, 0..63) in natural order, 64 per zmm.
-inline void q6k_values(const BlockQ6K& blk, __m512i q[4]) {
+// (Always inlined: GCC called it out of line from the decode kernels, the values through memory.)
+__attribute__((always_inline)) inline void q6k_values(const BlockQ6K& blk, __m512i q[4]) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03);
     for (int h = 0; h < 2; ++h) {
         const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk.qh + 32 * h));
