@@ -298,12 +298,15 @@ def test_ffn_gate_and_up_lying_back_to_back_are_one_product_with_the_same_bits(m
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_fused_layers_give_the_bits_of_the_layer_piece_by_piece(model_dir, arch):
-    """With the native kernels, the llama family runs each layer but the last as one backend call
-    (BackendKernels.fused_layer): its logits, hidden states and cache rows are those of the layer
-    run piece by piece, bit for bit: short-prompt rows (llama.cpp's prompt arithmetic), decode rows,
+    """With the native kernels, the llama family runs each layer as one backend call
+    (BackendKernels.fused_layer; the last layer only in batches without prompt rows, whose FFN it
+    computes as decode rows): its logits, hidden states and cache rows are those of the layer run
+    piece by piece, bit for bit: short-prompt rows (llama.cpp's prompt arithmetic), decode rows,
     rows past LLAMA_SPLIT_KV, two sequences in one batch."""
     model = load_model(model_file(model_dir, arch, "Q4_K", n_layers=3), progress=False)
-    assert [f is not None for f in model.fused] == [True, True, False]
+    assert [f is not None for f in model.fused] == [True, True, True]
+    last_calls = []
+    model.fused[2] = lambda x, rows, f=model.fused[2]: last_calls.append(len(x)) or f(x, rows)
     t = tokens(300, seed=5)
 
     def run():
@@ -318,6 +321,7 @@ def test_fused_layers_give_the_bits_of_the_layer_piece_by_piece(model_dir, arch)
         return logits + hidden + [torch.cat([k.flatten() for k in ctx.buffers(layer, s)]) for layer in range(3) for s in (0, 1)]
 
     fused = run()
+    assert last_calls == [3, 3]  # the decode batches; the prompts ran the last layer piece by piece
     model.fused = [None] * 3
     assert all(torch.equal(a, b) for a, b in zip(fused, run()))
 

@@ -105,10 +105,10 @@ class LlamaModel(DecoderModel):
 
     def fused_layers(self) -> list:
         """Per layer, the backend's fused kernel for it, or None (run piece by piece). The last
-        layer always runs piece by piece: its FFN computes only as decode rows (ffn_scope)."""
+        layer's runs only batches without prompt rows (see forward)."""
         c, fuse = self.config, backend_kernel(self.backend, "fused_layer")
         out = [None] * c.n_layers
-        for i, blk in enumerate(self.blocks[:-1]):
+        for i, blk in enumerate(self.blocks):
             if fuse is not None and blk.q_norm is None and blk.w_gate_up is not None:
                 out[i] = fuse(DecoderLayerSpec(
                     attn_norm=blk.attn_norm, ffn_norm=blk.ffn_norm, wq=blk.wq, wk=blk.wk, wv=blk.wv, wo=blk.wo,
@@ -128,7 +128,12 @@ class LlamaModel(DecoderModel):
         swiglu = backend_kernel(self.backend, "swiglu", silu_times)
 
         x = self.embed(torch.tensor(batch.tokens))  # [rows, n_embd]
-        fused = getattr(self, "fused", None) or [None] * c.n_layers
+        fused = list(getattr(self, "fused", None) or [None] * c.n_layers)
+        if batch.prompt_lens and any(p < n for p, n in zip(batch.positions, batch.prompt_lens)):
+            # The last layer's FFN computes every row as a decode row (ffn_scope), which for a
+            # prompt row is not how the rest of its layer computes it: piece by piece then.
+            # Decode and verification batches (no prompt rows) are marked the same either way.
+            fused[-1] = None
         with batch_scope(self.backend, batch):
             for i, blk in enumerate(self.blocks):
                 if fused[i] is not None:  # the whole layer in one backend call
