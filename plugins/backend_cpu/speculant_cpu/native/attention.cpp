@@ -287,38 +287,33 @@ inline void block_scores(const float* const* q, const float* kt, int dk, vf16* s
     for (int i = 0; i < P; ++i) s[i] = _mm512_add_ps(_mm512_add_ps(a[i][0], a[i][1]), _mm512_add_ps(a[i][2], a[i][3]));
 }
 #else
-// Lanes 8h .. 8h + 7 of the scores of P <= 2 pairs.
-template <int P>
-inline void half_scores(const float* const* q, const float* kt, int dk, int h, __m256* s) {
-    __m256 a[P][DOT_CHAINS];
-    for (int i = 0; i < P; ++i)
-        for (int w = 0; w < DOT_CHAINS; ++w) a[i][w] = _mm256_setzero_ps();
-    kt += 8 * h;
-    int d = 0;
-    for (; d + DOT_CHAINS <= dk; d += DOT_CHAINS)
-        for (int w = 0; w < DOT_CHAINS; ++w) {
-            const __m256 kd = _mm256_loadu_ps(kt + (d + w) * 16);
-            for (int i = 0; i < P; ++i) a[i][w] = _mm256_fmadd_ps(_mm256_set1_ps(q[i][d + w]), kd, a[i][w]);
-        }
-    for (; d < dk; ++d) {
-        const __m256 kd = _mm256_loadu_ps(kt + d * 16);
-        for (int i = 0; i < P; ++i) a[i][d % DOT_CHAINS] = _mm256_fmadd_ps(_mm256_set1_ps(q[i][d]), kd, a[i][d % DOT_CHAINS]);
-    }
-    for (int i = 0; i < P; ++i) s[i] = _mm256_add_ps(_mm256_add_ps(a[i][0], a[i][1]), _mm256_add_ps(a[i][2], a[i][3]));
-}
-
+// AVX2: the same four chains a score, one chain at a time. Chain w takes the dims d = w mod 4 in
+// order and the chains are summed as the same tree afterwards, so the bits are the AVX-512
+// kernel's; but one chain at a time, the P pairs' two halves need 2P accumulators, not 8P, so
+// all of a decode row's six pairs fit in the 16 ymm and each broadcast query value and key load
+// serves 12 FMAs (two pairs at a time with four chains live, the loads had bound the loop:
+// three loads for two FMAs).
 template <int P>
 inline void block_scores(const float* const* q, const float* kt, int dk, vf16* s) {
-    for (int i = 0; i < P; i += 2) {
-        __m256 lo[2], hi[2];
-        if (i + 1 < P) {
-            half_scores<2>(q + i, kt, dk, 0, lo);
-            half_scores<2>(q + i, kt, dk, 1, hi);
-        } else {
-            half_scores<1>(q + i, kt, dk, 0, lo);
-            half_scores<1>(q + i, kt, dk, 1, hi);
+    __m256 chain[DOT_CHAINS][P][2];
+    for (int w = 0; w < DOT_CHAINS; ++w) {
+        __m256 a[P][2];
+        for (int i = 0; i < P; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        for (int d = w; d < dk; d += DOT_CHAINS) {
+            const __m256 k0 = _mm256_loadu_ps(kt + d * 16), k1 = _mm256_loadu_ps(kt + d * 16 + 8);
+            for (int i = 0; i < P; ++i) {
+                const __m256 qd = _mm256_broadcast_ss(q[i] + d);
+                a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
+            }
         }
-        for (int j = 0; j < 2 && i + j < P; ++j) s[i + j] = {lo[j], hi[j]};
+        for (int i = 0; i < P; ++i) chain[w][i][0] = a[i][0], chain[w][i][1] = a[i][1];
+    }
+    for (int i = 0; i < P; ++i) {
+        __m256 h[2];
+        for (int j = 0; j < 2; ++j)
+            h[j] = _mm256_add_ps(_mm256_add_ps(chain[0][i][j], chain[1][i][j]), _mm256_add_ps(chain[2][i][j], chain[3][i][j]));
+        s[i] = {h[0], h[1]};
     }
 }
 #endif
