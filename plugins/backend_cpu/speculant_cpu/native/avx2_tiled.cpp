@@ -42,6 +42,10 @@ inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// A sub-block scale as run_isums takes it: for vpdpbusd's sums a multiplier, for vpmaddwd's an int16
+// pair (made once a block, not once a half group).
+inline int32_t scale_operand(int v) { return SPK_AVXVNNI ? v : pair16((int16_t)v, (int16_t)v); }
+
 // isum[r] += scale[r] * (the sum over N dwords of weight row r's dwords wt0.. against the half
 // group's activation dwords bt0..): one run (sub-block) of every row of the pass.
 template <int N>
@@ -67,7 +71,7 @@ inline void run_isums(const uint8_t (*qb)[256], const int8_t* Bh, int wt0, int b
                 asm("" : "+x"(c[r]));  // in order: regrouped by the compiler, the products spill to the stack
             }
         }
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(c[r], _mm256_set1_epi32(pair16(scale[r], scale[r]))));
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(c[r], _mm256_set1_epi32(scale[r])));
     }
 #endif
 }
@@ -131,7 +135,7 @@ static void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
         }
         int32_t sc[8][R];  // sub-block s's scale of each row
         for (int s = 0; s < 8; ++s)
-            for (int r = 0; r < R; ++r) sc[s][r] = scm[r][s];
+            for (int r = 0; r < R; ++r) sc[s][r] = scale_operand(scm[r][s]);
         for (int g = 0; g < ng; ++g)
             for (int h = 0; h < 2; ++h) {
                 if (!half_used(g0 + g, h, i0, i1)) continue;
@@ -201,7 +205,7 @@ static void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
             const BlockQ6K& blk = ((const BlockQ6K*)(W + r * row_bytes))[b];
             d[r] = f16(blk.d);
             std::memcpy(scs[r], blk.scales, 16);
-            for (int j = 0; j < 16; ++j) sc[j][r] = blk.scales[j];
+            for (int j = 0; j < 16; ++j) sc[j][r] = scale_operand(blk.scales[j]);
             q6k_values_ymm(blk, qb[r]);
         }
         for (int g = 0; g < ng; ++g)
