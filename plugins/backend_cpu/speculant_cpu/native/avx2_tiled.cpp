@@ -46,8 +46,9 @@ inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
 // pair (made once a block, not once a half group).
 inline int32_t scale_operand(int v) { return SPK_AVXVNNI ? v : pair16((int16_t)v, (int16_t)v); }
 
-// isum[r] += scale[r] * (the sum over N dwords of weight row r's dwords wt0.. against the half
-// group's activation dwords bt0..): one run (sub-block) of every row of the pass.
+// isum[r] += scale of row r (scale[r], as scale_operand makes it) * (the sum over N dwords of
+// weight row r's dwords wt0.. against the half group's activation dwords bt0..): one run
+// (sub-block) of every row of the pass.
 template <int N>
 inline void run_isums(const uint8_t (*qb)[256], const int8_t* Bh, int wt0, int bt0, const int32_t* scale, __m256i* isum) {
     constexpr int R = AVX2_TILED_ROWS;
@@ -170,7 +171,7 @@ static void q4k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
                     __m256i msum = _mm256_setzero_si256();
                     for (int k = 0; k < 4; ++k)
                         msum = dpwssd(msum, _mm256_set1_epi32(pair16(mn[2 * k], mn[2 * k + 1])),
-                                                       _mm256_loadu_si256((const __m256i*)(bp + 16 * k)));
+                                      _mm256_loadu_si256((const __m256i*)(bp + 16 * k)));
                     __m256 s = _mm256_load_ps(acc[g][h][r]), sn = _mm256_load_ps(macc[g][h][r]);
                     epilogue_q4k(s, sn, _mm256_set1_ps(d[r]), _mm256_set1_ps(dmin[r]), dx, isum[r], msum);
                     _mm256_store_ps(acc[g][h][r], s);
@@ -222,7 +223,7 @@ static void q6k_tiled_rows(const uint8_t* W, size_t row_bytes, int nb, int nr, c
                     __m256i corr = _mm256_setzero_si256();
                     for (int p = 0; p < 8; ++p)
                         corr = dpwssd(corr, _mm256_set1_epi32(pair16(scs[r][2 * p], scs[r][2 * p + 1])),
-                                                       _mm256_loadu_si256((const __m256i*)(bq + 16 * p)));
+                                      _mm256_loadu_si256((const __m256i*)(bq + 16 * p)));
                     const __m256i v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(corr, 5));
                     const __m256 s = _mm256_load_ps(acc[g][h][r]), dr = _mm256_set1_ps(d[r]);
                     _mm256_store_ps(acc[g][h][r], PROMPT ? epilogue_q6k_tiled(s, dr, dx, v) : epilogue_q6k_canon(s, dr, dx, v));

@@ -3,9 +3,8 @@
 //   SPK_AVX512  AVX-512 F/BW/VL/VNNI (-march=native on such a CPU): the zmm kernels (vnni_k.h,
 //               vnni_b32.h, tiled.cpp), and AMX where the compiler targets it (SPK_AMX, kernels.h)
 //   SPK_AVX2    AVX2, FMA and F16C (-march=haswell): the ymm kernels (avx2_k.h, avx2_b32.h,
-//               avx2_vec.h), with AVX-VNNI's vpdpbusd/vpdpwssd where -mavxvnni is given
-//               (SPK_AVXVNNI, which also has the tiled ymm kernels, avx2_tiled.cpp), maddubs +
-//               madd otherwise
+//               avx2_vec.h, the tiled avx2_tiled.cpp), with AVX-VNNI's vpdpbusd/vpdpwssd where
+//               -mavxvnni is given (SPK_AVXVNNI), maddubs + madd otherwise
 // Both compute the same numbers, bit for bit: every integer sum is exact on both, and the float
 // operations are the same ones in the same order, lane for lane (see kernels.h).
 #pragma once

@@ -39,7 +39,7 @@
 // unpack.h (weight blocks into registers), epilogue.h (the shared fp32 epilogues), quantize.cpp
 // (the activations), vnni_k.h and vnni_b32.h (the per-row VNNI kernels; avx2_k.h and avx2_b32.h
 // the same on AVX2), tiled.cpp (tiled VNNI), tiled_pairs.cpp (its groups of 8 rows),
-// avx2_tiled.cpp (tiled on AVX2 with AVX-VNNI), amx.cpp (AMX), linear.cpp (the path choice, the
+// avx2_tiled.cpp (tiled on AVX2), amx.cpp (AMX), linear.cpp (the path choice, the
 // dispatcher and the spk_linear* C API), pool.h/.cpp (threads), cpu.cpp (AMX detection, the
 // ISA), vec16.h (16-float vectors and the vector exps of attention.cpp and elementwise.cpp).
 //
@@ -111,7 +111,7 @@ class Pool;
 Pool& pool();
 extern std::mutex g_call_mu;  // one matmul at a time: the pool and the activation buffer are shared
 
-// tiled.cpp (AVX-512 builds; avx2_tiled.cpp in AVX2 builds with AVX-VNNI): weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX)
+// tiled.cpp (AVX-512 builds; avx2_tiled.cpp in AVX2 builds): weight rows [0, nr) against activation groups g0 .. g0 + ng - 1 (ng <= TILED_GROUPS_MAX)
 // in the AMX layout, on VNNI (Q4_K in decode arithmetic, Q6_K canonical; `prompt`: both in
 // llama.cpp's prompt arithmetic); [next, next + next_bytes), the next chunk, streams into L2 meanwhile.
 void linear_tiled(int qtype, bool prompt, const uint8_t* W, size_t row_bytes, int nb, int nr, const Act& a, int64_t g0, int ng,

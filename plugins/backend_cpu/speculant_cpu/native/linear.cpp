@@ -69,7 +69,7 @@ Act g_act;
 // row (measured on a Sapphire Rapids core, the 1.5B model's weights, one thread: about even at 5
 // rows for Q4_K's decode arithmetic).
 int g_amx_min_rows = 5;
-// Q4_K calls with at least this many rows that do not take AMX take the tiled VNNI kernels (0:
+// Q4_K calls with at least this many rows that do not take AMX take the tiled kernels (0:
 // never); Q6_K ones in the forms with one sum per block too where their rows are long, and from
 // twice as many where they are short (tiled_min_rows()). Measured on the 1.5B's matrices, 2 cores
 // without AMX: 16 rows 2.0-2.6x the per-row kernels, 512 rows 2.2-2.8x; 8 rows (groups of 8 rows)
@@ -89,7 +89,7 @@ int tiled_min_rows(int qtype, int64_t k) {
     if (qtype == T_Q6_K && k <= Q6K_SHORT_ROW) return 2 * g_tiled_min_rows;
     return g_tiled_min_rows;
 }
-int g_last_path = 0;  // the path of the last spk_linear call: 1 VNNI, 2 AMX, 3 VNNI on the AMX layout, 4 its groups of 8 rows
+int g_last_path = 0;  // the path of the last spk_linear call: 1 per-row, 2 AMX, 3 tiled on the AMX layout, 4 its groups of 8 rows
 
 }  // namespace
 }  // namespace spk
@@ -119,8 +119,8 @@ int spk_set_tiled_min_rows(int rows) {
     return old;
 }
 
-// Which path the last spk_linear call took: 1 the VNNI kernels, 2 the AMX kernel, 3 the tiled VNNI
-// kernels, 4 the tiled VNNI kernels on groups of 8 rows (tiled_pairs.cpp).
+// Which path the last spk_linear call took: 1 the per-row kernels, 2 the AMX kernel, 3 the tiled
+// kernels (VNNI, or AVX2's vpmaddubsw), 4 the tiled VNNI kernels on groups of 8 rows (tiled_pairs.cpp).
 int spk_last_path() { return g_last_path; }
 
 // Does the library have a kernel for this GGML type and row length?

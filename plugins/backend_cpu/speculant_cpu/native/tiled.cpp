@@ -2,7 +2,7 @@
 // prompt arithmetic) with the
 // activations in the AMX layout, for CPUs without AMX (or with it turned off) from a few rows.
 // 16 activation rows sit in a zmm's lanes, so the block sums need no horizontal reduction.
-// AVX-512 builds only (avx2_tiled.cpp has them on ymm for AVX2 with AVX-VNNI).
+// AVX-512 builds only (avx2_tiled.cpp has them on ymm for AVX2).
 #include "kernels.h"
 
 #if SPK_AVX512
