@@ -23,15 +23,6 @@ constexpr bool Q4K_ACT_INTERLEAVED = false;
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
-// acc + the int16 pairs of a times b, summed into int32 lanes
-inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
-#if SPK_AVXVNNI
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-
 // Lane t: the sum of the int32 lanes of v[t] (the four reduced together).
 inline __m128i hsum4(const __m256i v[4]) {
     const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));

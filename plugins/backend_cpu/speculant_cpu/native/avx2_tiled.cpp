@@ -33,15 +33,6 @@ inline __m256i bcast32(const uint8_t* p) {
     return _mm256_set1_epi32(w);
 }
 
-// acc + the int16 pairs of a times b, summed into int32 lanes
-inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
-#if SPK_AVXVNNI
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-
 // A sub-block scale as run_isums takes it: for vpdpbusd's sums a multiplier, for vpmaddwd's an int16
 // pair (made once a block, not once a half group).
 inline int32_t scale_operand(int v) { return SPK_AVXVNNI ? v : pair16((int16_t)v, (int16_t)v); }
