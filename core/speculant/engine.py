@@ -186,6 +186,12 @@ class Sequence:
     def n_generated(self) -> int:
         return len(self.tokens) - self.n_prompt
 
+    @property
+    def argmax_only(self) -> bool:
+        """Only the argmax of this sequence's logits is used (Batch.argmax_only): greedy, no
+        logprobs, no constraint (whose mask may exclude the argmax)."""
+        return self.sampler.params.greedy and self.n_logprobs is None and self.constraint is None
+
     def view(self) -> SequenceView:
         return SequenceView(self.seq_id, tuple(self.tokens), self.n_prompt, max(0.0, self.sampler.params.temperature))
 
@@ -537,7 +543,8 @@ class Engine:
             draft = drafts[seq.seq_id]
             pending = seq.tokens[seq.n_cached:]
             rows = pending + list(draft.tokens if draft else ())
-            b = Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="all" if draft else "last", prompt_len=seq.n_prompt)
+            b = Batch.for_sequence(seq.seq_id, seq.n_cached, rows, logits="all" if draft else "last", prompt_len=seq.n_prompt,
+                                   argmax_only=seq.argmax_only)
             if draft:  # logits only from the last pending row on
                 b = attrs.evolve(b, want_logits=tuple(i >= len(pending) - 1 for i in range(len(rows))))
                 if self.recurrent and not self.row_rollback:

@@ -178,6 +178,15 @@ class BackendKernels(Protocol):
         piece-by-piece forward through this backend's kernels, inside the same `batch` scope."""
         ...
 
+    def argmax_head(self, head: Linear) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        """A cheaper form of the output projection `head` (from this backend's `linear`) for rows
+        whose logits serve only their argmax (`Batch.argmax_only`), or None where it has none.
+        Called once per head, at load. The callable takes x [rows, n_embd], inside the `batch`
+        scope the head itself would run in, and returns logits [rows, n_vocab] whose argmax (the
+        first maximum) is exactly the head's for every row, other entries free (-inf where not
+        computed); or None, and the head runs."""
+        ...
+
     def gated_delta_net(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         decay: torch.Tensor, beta: torch.Tensor, scale: float,
                         per_row: torch.Tensor | None = None) -> torch.Tensor:

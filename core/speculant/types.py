@@ -12,7 +12,9 @@ class Batch:
     """Rows of (sequence id, position, token) from any number of sequences.
 
     `want_logits[i]` says whether row i's logits are returned; `ForwardOutput.logits` holds
-    those rows in order. Rows of one sequence are contiguous and in increasing position.
+    those rows in order. `argmax_only[i]` (optional, all False when empty) says that only the
+    argmax of row i's logits is used (greedy, no logprobs, no grammar): the model may then return
+    a row whose first maximum is the exact logits' but whose other entries are not logits. Rows of one sequence are contiguous and in increasing position.
     `prompt_lens[i]` (optional, 0: unknown) is the length of row i's sequence's prompt, so a
     backend can compute prompt rows the way its reference implementation computes a prompt.
     """
@@ -22,33 +24,38 @@ class Batch:
     tokens: tuple[int, ...]
     want_logits: tuple[bool, ...]
     prompt_lens: tuple[int, ...] = ()
+    argmax_only: tuple[bool, ...] = ()
 
     def __attrs_post_init__(self):
         n = len(self.tokens)
         if not (len(self.seq_ids) == len(self.positions) == len(self.want_logits) == n):
             raise ValueError("Batch fields must have one entry per row")
-        if self.prompt_lens and len(self.prompt_lens) != n:
+        if (self.prompt_lens and len(self.prompt_lens) != n) or (self.argmax_only and len(self.argmax_only) != n):
             raise ValueError("Batch fields must have one entry per row")
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @classmethod
-    def for_sequence(cls, seq_id: int, start: int, tokens: Seq[int], logits: str = "last", prompt_len: int = 0) -> "Batch":
+    def for_sequence(cls, seq_id: int, start: int, tokens: Seq[int], logits: str = "last", prompt_len: int = 0,
+                     argmax_only: bool = False) -> "Batch":
         """Rows for one sequence starting at position `start`; logits for 'last', 'all' or 'none' rows."""
         n = len(tokens)
         want = tuple((logits == "all") or (logits == "last" and i == n - 1) for i in range(n))
-        return cls((seq_id,) * n, tuple(range(start, start + n)), tuple(tokens), want, (prompt_len,) * n if prompt_len else ())
+        return cls((seq_id,) * n, tuple(range(start, start + n)), tuple(tokens), want, (prompt_len,) * n if prompt_len else (),
+                   (True,) * n if argmax_only else ())
 
     @classmethod
     def concat(cls, batches: Seq["Batch"]) -> "Batch":
         lens = tuple(p for b in batches for p in (b.prompt_lens or (0,) * len(b)))
+        greedy = tuple(g for b in batches for g in (b.argmax_only or (False,) * len(b)))
         return cls(
             tuple(s for b in batches for s in b.seq_ids),
             tuple(p for b in batches for p in b.positions),
             tuple(t for b in batches for t in b.tokens),
             tuple(w for b in batches for w in b.want_logits),
             lens if any(lens) else (),
+            greedy if any(greedy) else (),
         )
 
     def select(self, rows: Seq[int]) -> "Batch":
@@ -59,6 +66,7 @@ class Batch:
             tuple(self.tokens[i] for i in rows),
             tuple(self.want_logits[i] for i in rows),
             tuple(self.prompt_lens[i] for i in rows) if self.prompt_lens else (),
+            tuple(self.argmax_only[i] for i in rows) if self.argmax_only else (),
         )
 
     def groups(self) -> list[tuple[int, int, int]]:

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from speculant.gguf import dequantize, dequantize_rows, unpack_q4_groups
 from speculant.logs import get_logger
 
-from speculant_cpu import fused, native
+from speculant_cpu import fused, native, screen
 
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
 GROUP = 32
@@ -185,6 +185,14 @@ class CpuBackend:
         if weight.qtype in INT4_TYPES and cols % GROUP == 0 and rows % 16 == 0:  # the pack's own constraints
             return Int4Linear(weight, b)
         return DenseLinear(weight, b)
+
+    def argmax_head(self, head):
+        """The screened form of an output head (screen.py) for greedy rows, or None where it
+        would not pay (or SPECULANT_SCREEN=0). Called once, at load: the copy is built or
+        read from the cache in a thread meanwhile."""
+        if not isinstance(head, NativeLinear) or not screen.enabled() or not screen.ScreenedHead.worth_it(head):
+            return None
+        return screen.ScreenedHead(head)
 
     @contextlib.contextmanager
     def batch(self, batch, prompt: bool = True):

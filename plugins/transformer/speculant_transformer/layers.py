@@ -137,6 +137,8 @@ class DecoderModel:
     def __init__(self, config, info, tokenizer, backend, embed, blocks, out_norm, output):
         self.config, self.info, self.tokenizer, self.backend = config, info, tokenizer, backend
         self.embed, self.blocks, self.out_norm, self.output = embed, blocks, out_norm, output
+        argmax_head = backend_kernel(backend, "argmax_head")
+        self.argmax_output = argmax_head(output) if argmax_head is not None else None  # for greedy rows
 
     def row_classes(self, positions, prompt_lens):
         """How the backend computes each row (None: every row alike), see Model.row_classes."""
@@ -162,5 +164,11 @@ class DecoderModel:
         if not want:  # a prompt chunk: skip the output head
             return ForwardOutput(x.new_empty(0, c.n_vocab), hidden)
         # The head's rows are the logit rows, computed as decode rows (as the last layer's FFN).
-        with batch_scope(self.backend, batch.select(want), prompt=False):
-            return ForwardOutput(self.output(rms_norm(x[want], self.out_norm, c.eps)), hidden)
+        rows = batch.select(want)
+        with batch_scope(self.backend, rows, prompt=False):
+            h = rms_norm(x[want], self.out_norm, c.eps)
+            if self.argmax_output is not None and rows.argmax_only and all(rows.argmax_only):
+                logits = self.argmax_output(h)
+                if logits is not None:
+                    return ForwardOutput(logits, hidden)
+            return ForwardOutput(self.output(h), hidden)

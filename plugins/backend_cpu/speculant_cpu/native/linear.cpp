@@ -98,7 +98,7 @@ using namespace spk;
 
 extern "C" {
 
-int spk_abi_version() { return 7; }
+int spk_abi_version() { return 8; }
 
 // Calls with at least `rows` rows take the AMX path where it has the call's type and mode (0:
 // never); returns the old value.

@@ -54,6 +54,9 @@ int spk_set_amx_min_rows(int rows);
 int spk_set_tiled_min_rows(int rows);
 int spk_last_path();
 
+// the screen of greedy rows' logits (screen.cpp)
+int spk_screen_select(const float* a, int64_t m, int64_t n, const float* q, const float* x_bound, float slack, int32_t* idx, int64_t cap, int64_t* counts);
+
 // attention (attention.cpp)
 int spk_attention_f16(const float* q, int64_t rows, int n_head, int n_kv, int dk, int dv, const uint16_t* k, const uint16_t* v, int64_t k_head_stride, int64_t v_head_stride, const int64_t* positions, int64_t window, float scale, float* out, int grouped, int64_t exact_below);
 int64_t spk_exp_check(uint32_t first, uint32_t last, uint32_t step);
