@@ -134,3 +134,18 @@ def test_switched_off_and_not_for_heads_it_cannot_shrink(model, monkeypatch):
     assert model.backend.argmax_head(model.output) is None
     monkeypatch.delenv("SPECULANT_SCREEN")
     assert model.backend.argmax_head(model.blocks[0]) is None  # not a NativeLinear
+
+
+def test_the_cache_is_read_back_and_a_broken_one_rebuilt(model, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    monkeypatch.setattr(screen, "CACHE_MIN_VALUES", 0)
+    head = model.output
+    args = (head.raw, head.qtype, head.out_features, head.in_features)
+    first = screen.load_or_build(*args)
+    (path,) = (tmp_path / "screens").glob("*.npz")
+    again = screen.load_or_build(*args)
+    assert np.array_equal(first.q4, again.q4) and np.array_equal(first.qv, again.qv)
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    rebuilt = screen.load_or_build(*args)
+    assert np.array_equal(first.q4, rebuilt.q4) and np.array_equal(first.qv, rebuilt.qv)
+    assert path.stat().st_size > 100  # and written again

@@ -106,8 +106,10 @@ def load_or_build(raw: np.ndarray, qtype: int, n: int, k: int) -> Screen:
     path = _cache_dir() / f"{h.hexdigest()}.npz"
     try:
         with np.load(path) as f:
-            return Screen(f["q4"], f["qv"])
-    except (OSError, KeyError, ValueError):
+            q4, qv = f["q4"], f["qv"]
+        if q4.shape == (n, _row_bytes(SCREEN_QTYPE, k)) and q4.dtype == np.uint8 and qv.shape == (n,):
+            return Screen(q4, qv)
+    except Exception:  # noqa: BLE001 - absent, truncated or foreign: build it again
         pass
     screen = build_screen(raw, qtype, n, k)
     try:
