@@ -149,3 +149,12 @@ def test_the_cache_is_read_back_and_a_broken_one_rebuilt(model, monkeypatch, tmp
     rebuilt = screen.load_or_build(*args)
     assert np.array_equal(first.q4, rebuilt.q4) and np.array_equal(first.qv, rebuilt.qv)
     assert path.stat().st_size > 100  # and written again
+
+
+def test_built_only_once_a_greedy_row_asks(model):
+    """A model never decoded greedily (a draft model, a training run) builds no copy."""
+    sh = screen.ScreenedHead(model.output)
+    assert sh.screen is None and not sh._thread.is_alive() and sh._thread.ident is None
+    x = _inputs(np.random.default_rng(9), 1, sh.k)
+    assert sh(x) is None  # not ready: the full head runs this time
+    assert sh.wait() and sh(x) is not None

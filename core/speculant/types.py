@@ -12,9 +12,10 @@ class Batch:
     """Rows of (sequence id, position, token) from any number of sequences.
 
     `want_logits[i]` says whether row i's logits are returned; `ForwardOutput.logits` holds
-    those rows in order. `argmax_only[i]` (optional, all False when empty) says that only the
-    argmax of row i's logits is used (greedy, no logprobs, no grammar): the model may then return
-    a row whose first maximum is the exact logits' but whose other entries are not logits. Rows of one sequence are contiguous and in increasing position.
+    those rows in order. Rows of one sequence are contiguous and in increasing position.
+    `argmax_only[i]` (optional, all False when empty) says that only the argmax of row i's
+    logits is used (greedy, no logprobs, no grammar): the model may then return a row whose
+    first maximum is the exact logits' but whose other entries are not logits.
     `prompt_lens[i]` (optional, 0: unknown) is the length of row i's sequence's prompt, so a
     backend can compute prompt rows the way its reference implementation computes a prompt.
     """

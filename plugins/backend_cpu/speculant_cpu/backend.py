@@ -188,8 +188,8 @@ class CpuBackend:
 
     def argmax_head(self, head):
         """The screened form of an output head (screen.py) for greedy rows, or None where it
-        would not pay (or SPECULANT_SCREEN=0). Called once, at load: the copy is built or
-        read from the cache in a thread meanwhile."""
+        would not pay (or SPECULANT_SCREEN=0). Called once, at load; the copy is built or read
+        from the cache in a thread started by the first greedy call."""
         if not isinstance(head, NativeLinear) or not screen.enabled() or not screen.ScreenedHead.worth_it(head):
             return None
         return screen.ScreenedHead(head)

@@ -17,9 +17,10 @@ Measured on the 1.5B, development text: a median of 31 candidates a row (p90 310
 10k). A Q3_K copy (100 MB) would bound nothing: its ||w - w3|| is 2.5 times larger, and every
 token stayed a candidate.
 
-The copy is built once per head (numpy, a few seconds for the 1.5B's) in a thread started at
-load, kept under $SPECULANT_CACHE/screens by a hash of the head's bytes, and used as soon as it
-is ready; until then, and with SPECULANT_SCREEN=0, greedy rows take the full head.
+The copy is built once per head (numpy, about 20 s for the 1.5B's on 2 cores) in a thread started
+by the first greedy call, kept under $SPECULANT_CACHE/screens by a hash of the head's bytes (then
+a start reads it back in about 0.5 s), and used as soon as it is ready; until then, and with
+SPECULANT_SCREEN=0, greedy rows take the full head.
 """
 from __future__ import annotations
 
@@ -132,10 +133,14 @@ class ScreenedHead:
         self.screen: Screen | None = None
         self.error: str | None = None
         self._thread = threading.Thread(target=self._build, name="speculant-screen", daemon=True)
-        if background:
-            self._thread.start()
-        else:
+        if not background:
             self._build()
+
+    def start(self) -> None:
+        """Build or load the copy in a thread, once: at the first greedy call, so that a model
+        never decoded greedily (a draft model, a training run) costs nothing."""
+        if self.screen is None and self.error is None and self._thread.ident is None:
+            self._thread.start()
 
     @staticmethod
     def worth_it(head) -> bool:
@@ -155,6 +160,7 @@ class ScreenedHead:
             log.warning("screen_failed", error=self.error)
 
     def wait(self) -> bool:
+        self.start()
         if self._thread.is_alive():
             self._thread.join()
         return self.screen is not None
@@ -165,7 +171,10 @@ class ScreenedHead:
         head's `batch` scope: each row's candidates are computed in its own kind, as the head
         would compute the row."""
         screen = self.screen
-        if screen is None or x.shape[0] > MAX_ROWS:
+        if screen is None:
+            self.start()
+            return None
+        if x.shape[0] > MAX_ROWS:
             return None
         kinds = self.head.backend.row_kinds
         if kinds is not None and len(kinds) != x.shape[0]:
