@@ -11,7 +11,8 @@ with x~ the row as the kernels quantize it (Q8_K: ||x~|| <= ||x|| + sqrt(k) max|
 can be the argmax only if its upper bound reaches the best lower bound; those candidates get
 their exact logits from the head's own rows, by the same kernel in the same mode as the full head
 (a row's result does not depend on the rows computed with it), so the argmax, ties to the lowest
-index, is the full head's bit for bit. The other entries of the row are -inf.
+index, is the full head's bit for bit. The other entries of the row are -inf. Used for calls of up to
+MAX_ROWS rows (1-2 with the AVX-512 kernels, all with the AVX2 ones).
 
 Measured on the 1.5B, development text: a median of 31 candidates a row (p90 310, max about
 10k). A Q3_K copy (100 MB) would bound nothing: its ||w - w3|| is 2.5 times larger, and every
@@ -46,12 +47,15 @@ SCREEN_VERSION = 1  # in the cache key: a change to how the copy or its bounds a
 CHUNK_ROWS = 8192  # head rows requantized at a time (bounds the build's memory)
 CAP = 16384  # candidates a row may keep; a row with more takes the full head
 MAX_K = 16384  # the rounding slack below holds for rows up to this long
-# Calls of up to this many rows take the screen. Decode reads the head from memory, and the copy
-# is smaller; from 3 rows the kernels' arithmetic, not the memory, sets the head's time, and the
-# Q4_K copy's costs about what the head's does (measured on the 1.5B, AVX-512 without AMX, rows
-# past 256 tokens: 1 row 5.43 -> 4.29 ms, 2 rows 5.69 -> 4.83, 3 rows 6.73 both, 4 rows 7.83 ->
-# 8.12, 16 rows 19.9 -> 20.4, 48 rows 49.6 -> 54.1).
-MAX_ROWS = 2
+# Calls of up to this many rows take the screen, by the library's ISA. Decode reads the head from
+# memory, and the copy is smaller. With AVX-512, from 3 rows the kernels' arithmetic, not the
+# memory, sets the head's time, and the Q4_K copy's costs about what the head's does (the 1.5B,
+# rows past 256 tokens: 1 row 5.43 -> 4.29 ms, 2 rows 5.69 -> 4.83, 3 rows 6.73 both, 4 rows 7.83
+# -> 8.12, 16 rows 19.9 -> 20.4, 48 rows 49.6 -> 54.1). The AVX2 kernels do Q4_K's arithmetic
+# faster than Q6_K's, so there the copy pays at every row count measured (without AVX-VNNI: 1 row
+# 6.2-6.6 -> 5.0-5.1 ms, 4 rows 10.8-12.9 -> 9.4-10.9, 8 rows 23.9 -> 15.7, 16 rows 34.1 -> 29.3,
+# 48 rows 82.7 -> 77.9).
+MAX_ROWS = {"avx512": 2, "avx2": 64}
 CACHE_MIN_VALUES = 1 << 24  # smaller heads are requantized at every load (milliseconds), not cached
 # Relative slack per row: the two kernels' float rounding (a few ulps per block, 2^-24 each) on
 # terms bounded by ||w|| ||x~|| and ||w4|| ||x~||, with room to spare.
@@ -132,6 +136,7 @@ class ScreenedHead:
         self.n, self.k = head.out_features, head.in_features
         self.screen: Screen | None = None
         self.error: str | None = None
+        self.max_rows = MAX_ROWS["avx512" if self.lib.spk_isa() == 1 else "avx2"]
         self._thread = threading.Thread(target=self._build, name="speculant-screen", daemon=True)
         if not background:
             self._build()
@@ -174,7 +179,7 @@ class ScreenedHead:
         if screen is None:
             self.start()
             return None
-        if x.shape[0] > MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             return None
         kinds = self.head.backend.row_kinds
         if kinds is not None and len(kinds) != x.shape[0]:
