@@ -25,7 +25,6 @@ SPECULANT_SCREEN=0, greedy rows take the full head.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import math
 import os
@@ -39,6 +38,8 @@ from gguf import GGMLQuantizationType as Q
 
 from speculant.gguf import dequantize, quantize_k
 from speculant.logs import get_logger
+
+from speculant_cpu import native
 
 log = get_logger(__name__)
 
@@ -69,8 +70,7 @@ def _row_bytes(qtype: int, k: int) -> int:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPECULANT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "speculant")
-    return Path(root) / "screens"
+    return native.cache_root() / "screens"
 
 
 def enabled() -> bool:

@@ -86,9 +86,13 @@ def selected_isa() -> str | None:
     return have[0] if have else None
 
 
+def cache_root() -> Path:
+    """$SPECULANT_CACHE, default ~/.cache/speculant: the backend's caches live under it."""
+    return Path(os.environ.get("SPECULANT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "speculant"))
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("SPECULANT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "speculant")
-    return Path(root) / "native"
+    return cache_root() / "native"
 
 
 def _source_files() -> list[Path]:
