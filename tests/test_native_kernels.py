@@ -55,9 +55,14 @@ def zmm() -> bool:
 
 def tiled_path(rows: int) -> int:
     """What spk_last_path() says after a call of `rows` rows that the tiled kernels take where the
-    build has them: on AVX-512, 4 where they take groups of 8 rows (a call of up to 64 rows whose
-    last 16-row group would be half empty or worse), else 3; on AVX2, with AVX-VNNI or without, 3
-    (ymm halves of the 16-row groups)."""
+    build has them: 5 where the rows past the last whole group of 16 are few enough for the
+    per-row kernels (spk_set_tiled_tail_rows); else on AVX-512, 4 where they take groups of 8 rows
+    (a call of up to 64 rows whose last 16-row group would be half empty or worse), else 3; on
+    AVX2, with AVX-VNNI or without, 3 (ymm halves of the 16-row groups)."""
+    tail = lib.spk_set_tiled_tail_rows(0)
+    lib.spk_set_tiled_tail_rows(tail)
+    if rows > 16 and 0 < rows % 16 <= tail:
+        return 5  # whole groups of 16 tiled, the rows past them on the per-row kernels
     if native.isa_of(lib) != "avx512":
         return 3
     return 4 if rows <= 64 and 0 < rows % 16 <= 8 else 3
@@ -370,6 +375,37 @@ def test_prompt_arithmetic_is_the_same_on_every_path(qtype, n, k, amx_min_rows, 
         kinds[12:57] = bit
         kinds[63:70] = 3
         assert_rows_by_kind(run_prompt(raw, qtype, n, k, x, kinds), kinds, bit, alone, decode)
+
+
+@pytest.fixture
+def tiled_tail_rows():
+    """Set how many rows past a tiled call's last whole group of 16 take the per-row kernels."""
+    yield from _path_threshold(lib.spk_set_tiled_tail_rows)
+
+
+@pytest.mark.parametrize("qtype,n,k", K_SHAPES)
+def test_rows_past_the_tiled_groups_are_the_same_on_the_per_row_kernels(qtype, n, k, amx_min_rows, tiled_min_rows,
+                                                                       tiled_tail_rows):
+    """A tiled call's rows past its last whole group of 16 (path 5: on the per-row kernels, the
+    weight rows in cache) give the bits of every other path, in every mode, whatever the tail's
+    length; with the tail off the padded groups (and on AVX-512 the 8-row groups) take them."""
+    rng = np.random.default_rng(7 * n + k)
+    raw = random_k_quant_blocks(qtype, n, k, rng)
+    _, x = k_quant_case(qtype, n, k)
+    amx_min_rows(0)
+    tiled_min_rows(0)
+    modes = (0, 1, 2) if qtype == Q.Q6_K else (0, 1)
+    alone = {mode: torch.cat([run_mode(raw, qtype, n, k, x[i : i + 1], mode) for i in range(len(x))]) for mode in modes}
+    tiled_min_rows(1)
+    for tail in (0, 1, 4, 8, 15):
+        tiled_tail_rows(tail)
+        for m in (16, 17, 20, 24, 25, 33, 40, 49, 63, 65, 70):
+            for mode in modes:
+                got = run_mode(raw, qtype, n, k, x[:m], mode)
+                if mode or qtype == Q.Q4_K:  # Q6_K's decode arithmetic has no tiled form
+                    assert lib.spk_last_path() == tiled_path(m), f"{m} rows, tail {tail}"
+                    assert (lib.spk_last_path() == 5) == (0 < m % 16 <= tail)
+                assert torch.equal(got, alone[mode][:m]), f"{m} rows, mode {mode}, tail up to {tail}"
 
 
 def test_amx_path_is_taken_where_available(amx_min_rows, tiled_min_rows):
