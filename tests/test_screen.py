@@ -158,3 +158,15 @@ def test_built_only_once_a_greedy_row_asks(model):
     x = _inputs(np.random.default_rng(9), 1, sh.k)
     assert sh(x) is None  # not ready: the full head runs this time
     assert sh.wait() and sh(x) is not None
+
+
+def test_warm_up_leaves_the_copy_ready(tmp_path):
+    """A model's warm_up (what `speculant serve` runs before it listens, unless --no-warmup) runs
+    a greedy row and returns with the copy built, so the first request neither runs without it
+    nor shares the cores with its build."""
+    path = write_tiny_model(tmp_path / "w.gguf", "qwen2", qtype="Q6_K", n_vocab=1024, n_embd=256, n_ff=256, n_head=4,
+                            n_kv_head=2, head_dim=64, n_layers=1, seed=6)
+    m = load_model(path, threads=2, progress=False)
+    assert m.argmax_output is not None and m.argmax_output.screen is None  # nothing built at load
+    m.warm_up()
+    assert m.argmax_output.screen is not None and not m.argmax_output._thread.is_alive()

@@ -135,3 +135,21 @@ def test_flags():
                       "--max-stop-length", "3", "--special-in-content"])
     assert (a.max_prompt_bytes, a.max_messages, a.max_stop_strings, a.max_stop_length, a.special_in_content) == \
         (0, 9, 0, 3, True)
+
+
+@pytest.mark.parametrize("flags,warm", [((), True), (("--no-warmup",), False)])
+def test_warm_up_before_listening_unless_told_not_to(tmp_path, flags, warm):
+    """build_server runs the model's warm_up (a greedy row, then waiting for the screened head's
+    copy, where the backend makes one) unless --no-warmup."""
+    from speculant_server.app import STATE
+    from speculant_server.setup import build_server
+
+    path = write_tiny_model(tmp_path / "w.gguf", "qwen2", qtype="Q6_K", n_vocab=1024, n_embd=256, n_ff=256, n_head=4,
+                            n_kv_head=2, head_dim=64, n_layers=1, seed=6)
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    app, _ = build_server(p.parse_args(["-m", str(path), "-t", "2", "-c", "256", *flags]))
+    head = app[STATE].worker.engine.model.argmax_output
+    if head is None:
+        pytest.skip("this backend has no screened head (no native kernels here)")
+    assert (head.screen is not None) == warm

@@ -91,6 +91,9 @@ def run_bench(args, load) -> int:
             with open(args.json, "w") as f:
                 json.dump({"model": os.path.basename(args.model), "load_s": load_s, **result}, f, indent=2)
         return 0
+    warm_up = getattr(model, "warm_up", None)
+    if warm_up is not None:  # what it prepares in the background would otherwise share the first run's cores
+        warm_up()
     rss_after_load = peak_rss_bytes()
     names = ["none", *(c.strip() for c in (args.spec_type or "").split(";") if c.strip())]
 

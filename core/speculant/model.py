@@ -60,6 +60,8 @@ class Model(Protocol):
     #   their classes are equal, whatever else is in their batches; `prompt_lens[i]` is the prompt
     #   length of row i's request (a backend may compute prompt rows as its reference does a prompt).
     #   The prompt cache reuses a cached row for a new prompt only where the classes agree.
+    #   warm_up() -> None: run a greedy row and wait for what that starts in the background, so
+    #   that the first requests run at full speed (`speculant serve` calls it unless --no-warmup).
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -184,7 +186,8 @@ class BackendKernels(Protocol):
         Called once per head, at load. The callable takes x [rows, n_embd], inside the `batch`
         scope the head itself would run in, and returns logits [rows, n_vocab] whose argmax (the
         first maximum) is exactly the head's for every row, other entries free (-inf where not
-        computed); or None, and the head runs."""
+        computed); or None, and the head runs. Where it prepares something in the background it
+        may have a `wait()` that returns once that is ready (a model's warm_up calls it)."""
         ...
 
     def gated_delta_net(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -30,6 +30,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-n", "--n-predict", type=int_in(-1), default=-1,
                    help="default max tokens per request, -1 = until the end of the context (default -1)")
     g.add_argument("--max-body-size", type=int_in(1), default=16 * 2**20, help="largest request body in bytes (default 16 MiB)")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="start listening without first running a greedy row through the model and waiting for what "
+                        "it prepares (the CPU backend's screened output head: about 0.5 s, 20 s the first time for "
+                        "a 1.5B model)")
     g.add_argument("--metrics", action="store_true", help="accepted for llama-server compatibility; /metrics is always on")
     g.add_argument("--timeout-body", type=seconds_flag, default=60.0, metavar="SECONDS",
                    help="time to receive a request's whole body once its headers are in; a slower one gets 408 and "
@@ -121,6 +125,9 @@ def build_server(args):
     model = load(args)
     config, speculators = engine_setup(args, model)  # a missing or incompatible draft model fails here
     engine = Engine(model, config, speculators)
+    warm_up = getattr(model, "warm_up", None)
+    if warm_up is not None and not args.no_warmup:  # as llama-server: the first request runs at full speed
+        warm_up()
     defaults = Defaults(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed), args.n_predict)
     server_config = ServerConfig(n_slots=args.parallel, queue_size=args.queue_size, api_keys=api_keys(args), alias=args.alias,
                                  max_body_size=args.max_body_size, defaults=defaults, draft_model=args.spec_draft_model,

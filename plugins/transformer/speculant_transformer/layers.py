@@ -140,6 +140,17 @@ class DecoderModel:
         argmax_head = backend_kernel(backend, "argmax_head")
         self.argmax_output = argmax_head(output) if argmax_head is not None else None  # for greedy rows
 
+    def warm_up(self) -> None:
+        """One greedy row through a scratch context, then wait for what the backend prepares
+        in the background for such rows (the CPU backend's screened head: read back from its
+        cache in about half a second, built in about 20 s the first time for the 1.5B's), so
+        that a server's first requests neither run without it nor share the cores with it."""
+        context = self.new_context(1)
+        self.forward(Batch.for_sequence(0, 0, [0], logits="last", argmax_only=True), context)
+        wait = getattr(self.argmax_output, "wait", None)
+        if wait is not None:
+            wait()
+
     def row_classes(self, positions, prompt_lens):
         """How the backend computes each row (None: every row alike), see Model.row_classes."""
         classes = backend_kernel(self.backend, "row_classes")
