@@ -59,13 +59,21 @@ def tiled_path(rows: int) -> int:
     per-row kernels (spk_set_tiled_tail_rows); else on AVX-512, 4 where they take groups of 8 rows
     (a call of up to 64 rows whose last 16-row group would be half empty or worse), else 3; on
     AVX2, with AVX-VNNI or without, 3 (ymm halves of the 16-row groups)."""
-    tail = lib.spk_set_tiled_tail_rows(0)
-    lib.spk_set_tiled_tail_rows(tail)
-    if rows > 16 and 0 < rows % 16 <= tail:
-        return 5  # whole groups of 16 tiled, the rows past them on the per-row kernels
+    if per_row_tail(rows):
+        return 5  # whole groups of 16 (AVX2, of 9-15 rows: the first 8) tiled, the rows past them on the per-row kernels
     if native.isa_of(lib) != "avx512":
         return 3
     return 4 if rows <= 64 and 0 < rows % 16 <= 8 else 3
+
+
+def per_row_tail(rows: int) -> int:
+    """The rows of a tiled call of `rows` rows that the per-row kernels take: those past the last
+    whole group of 16 (on AVX2, of 9-15 rows those past the first 8), where there are at most
+    spk_set_tiled_tail_rows of them; else 0."""
+    limit = lib.spk_set_tiled_tail_rows(0)
+    lib.spk_set_tiled_tail_rows(limit)
+    tail = rows % 16 if rows > 16 else rows - 8 if 8 < rows < 16 and not zmm() else 0
+    return tail if tail <= limit else 0
 
 
 K_QUANTS = {Q.Q4_K, Q.Q6_K}
@@ -399,12 +407,13 @@ def test_rows_past_the_tiled_groups_are_the_same_on_the_per_row_kernels(qtype, n
     tiled_min_rows(1)
     for tail in (0, 1, 4, 8, 15):
         tiled_tail_rows(tail)
-        for m in (16, 17, 20, 24, 25, 33, 40, 49, 63, 65, 70):
+        for m in (8, 9, 12, 15, 16, 17, 20, 24, 25, 33, 40, 49, 63, 65, 70):
             for mode in modes:
                 got = run_mode(raw, qtype, n, k, x[:m], mode)
                 if mode or qtype == Q.Q4_K:  # Q6_K's decode arithmetic has no tiled form
                     assert lib.spk_last_path() == tiled_path(m), f"{m} rows, tail {tail}"
-                    assert (lib.spk_last_path() == 5) == (0 < m % 16 <= tail)
+                    assert (lib.spk_last_path() == 5) == (per_row_tail(m) > 0)
+                    assert per_row_tail(m) <= tail
                 assert torch.equal(got, alone[mode][:m]), f"{m} rows, mode {mode}, tail up to {tail}"
 
 

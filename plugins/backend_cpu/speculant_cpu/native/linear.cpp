@@ -100,7 +100,7 @@ int tiled_min_rows(int qtype, int64_t k) {
     return g_tiled_min_rows;
 }
 // the path of the last spk_linear call: 1 per-row, 2 AMX, 3 tiled on the AMX layout, 4 its groups
-// of 8 rows, 5 tiled groups of 16 and a per-row tail
+// of 8 rows, 5 tiled groups of 16 (AVX2: or the first 8 rows) and a per-row tail
 int g_last_path = 0;
 
 }  // namespace
@@ -174,14 +174,18 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
     // (AVX-512, or AVX2: avx2_tiled.cpp)
     const bool tiled = (SPK_AVX512 || SPK_AVX2) && !amx && (qtype == T_Q4_K || (qtype == T_Q6_K && (prompt || canon))) && g_tiled_min_rows > 0 &&
                        m >= tiled_from;
-    // Rows past the last whole group of 16 that take the per-row kernels (g_tiled_tail_rows).
-    const int64_t tail = tiled && m > 16 && m % 16 <= g_tiled_tail_rows ? m % 16 : 0;
+    // Rows past the last whole group of 16 that take the per-row kernels (g_tiled_tail_rows); on
+    // AVX2, of 9-15 rows those past the first 8 (a ymm half of a group: 9/10 rows 183/186 ->
+    // 150/164 ms, as above), where on AVX-512 8 rows in groups of 8 and the rest on the per-row
+    // kernels cost what one group of 16 does or more (12 rows 140 -> 157 ms).
+    const int64_t whole = m > 16 ? m - m % 16 : SPK_AVX512 ? m : 8;
+    const int64_t tail = tiled && m > 8 && m % 16 != 0 && m - whole <= g_tiled_tail_rows ? m - whole : 0;
     const int64_t m_tiled = m - tail;  // the rows the tiled kernels take
     // The tiled kernels' groups of 8 rows (two weight rows per zmm) where 16-row groups would
     // leave the last one half empty or worse and the per-row tail does not take those rows: calls
     // of 8 rows or fewer (and 17-24, 33-40, 49-56 where the tail is set shorter).
-    const bool pairs = SPK_AVX512 && tiled && !tail && m <= ACT_TILE && m % 16 != 0 && m % 16 <= 8;
-    g_last_path = amx ? 2 : pairs ? 4 : tail ? 5 : tiled ? 3 : 1;
+    const bool pairs = SPK_AVX512 && tiled && m_tiled <= ACT_TILE && m_tiled % 16 != 0 && m_tiled % 16 <= 8;
+    g_last_path = amx ? 2 : tail ? 5 : pairs ? 4 : tiled ? 3 : 1;
     Act& a = g_act;
     a.nb = nb;
     a.bsize = bv;
@@ -254,13 +258,14 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
 #endif
 #if SPK_AVX512
         if (pairs) {  // the few-row path: a0 = 0, a1 = m <= ACT_TILE
-            linear_tiled_pairs(qtype, prompt, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, 0, (int)((m + 7) / 8), a0, a1,
-                               y + r0, n, W + pf0, pf1 - pf0);
-            return;
+            linear_tiled_pairs(qtype, prompt, W + r0 * row_bytes, row_bytes, nb, (int)(r1 - r0), a, 0, (int)((m_tiled + 7) / 8), a0,
+                               m_tiled, y + r0, n, W + pf0, pf1 - pf0);
+            if (a1 <= m_tiled) return;
+            a0 = m_tiled;  // the tail's rows: the per-row kernels below
         }
 #endif
 #if SPK_AVX512 || SPK_AVX2
-        if (tiled) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
+        if (tiled && !pairs) {  // a0 a multiple of 16, a1 - a0 <= ACT_TILE
             const int64_t t1 = std::min(a1, m_tiled);
             if (t1 > a0) {
                 const int64_t g0 = a0 / 16;
