@@ -147,3 +147,27 @@ def test_a_cheap_speculators_copies_verified_whole_and_its_guesses_dropped(path)
     assert ratio <= fixed * 1.02, f"{path}: adaptive {ratio:.3f}, every draft verified {fixed:.3f}"
     if forward_ms(profile, 2) / profile[1] > 1.1 / (1 - DROP_MARGIN):  # a guess (10% right) does not pay its row
         assert guesses < all_guesses / 4, f"{path}: {guesses} of {all_guesses} guesses verified"
+
+
+def test_a_slow_forward_at_a_row_count_does_not_price_drafts_out_for_good():
+    """Slow samples at row counts then left unmeasured (a draft priced out is not verified, so its
+    row count is never timed again) are dropped once stale, where two fresh forwards covering the
+    rows cost less; stale estimates that nothing fresh undercuts are kept."""
+    from speculant.adaptive import STALE_AFTER
+
+    c = DraftLengthController()
+    c.observe_forward(1, 0.040)
+    c.observe_forward(2, 0.050)
+    c.observe_forward(3, 0.134)  # a thread was loading meanwhile
+    c.observe_forward(5, 0.238)
+    c.observe_forward(33, 0.330)  # a real measurement, as slow as it looks
+    slow = c.forward.cost(17)
+    assert slow > 0.25
+    for i in range(STALE_AFTER):
+        c.observe_forward(1 + i % 2, 0.040 if i % 2 == 0 else 0.050)
+    assert c.forward.cost(3) < 0.065  # between the fresh 2 rows and the kept 33
+    assert c.forward.cost(5) < 0.085
+    assert c.forward.cost(33) == pytest.approx(0.330)  # 16 forwards of 2 rows and one of 1 cost more: kept
+    assert c.forward.cost(17) < 0.7 * slow  # between 2 rows and 33, no longer along 3 and 5
+    c.observe_forward(3, 0.070)  # measured again: fresh, and its own value
+    assert c.forward.cost(3) == pytest.approx(0.8 * 0.134 + 0.2 * 0.070)
