@@ -118,6 +118,8 @@ class ForwardCost:
     seconds: dict[int, float] = attrs.field(factory=dict)
     last_seen: dict[int, int] = attrs.field(factory=dict)  # row count -> `observations` when last measured
     observations: int = 0
+    _kept: dict[int, float] = attrs.field(factory=dict, init=False, repr=False)  # the table cost() reads,
+    _kept_at: int = attrs.field(default=-1, init=False, repr=False)              # as of this many observations
 
     def observe(self, rows: int, seconds: float) -> None:
         self.observations += 1
@@ -126,16 +128,21 @@ class ForwardCost:
         self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def cost(self, rows: int) -> float | None:
+        if self._kept_at != self.observations:  # made once per observation: cost() is asked for many row counts a step
+            self._kept, self._kept_at = self._current(), self.observations
+        return _interpolate(self._kept, rows)
+
+    def _current(self) -> dict[int, float]:
+        """The estimates, less the stale ones that fresh forwards covering their rows undercut."""
         fresh = {r: s for r, s in self.seconds.items() if self.observations - self.last_seen[r] < STALE_AFTER}
-        if len(fresh) == len(self.seconds):
-            return _interpolate(self.seconds, rows)
+        if len(fresh) == len(self.seconds) or not fresh:
+            return dict(self.seconds)
         # cover[r]: the cheapest fresh forwards that together take r rows or more
         top = max(self.seconds)
         cover = [0.0] + [math.inf] * top
         for r in range(1, top + 1):
             cover[r] = min(fresh[a] + cover[max(0, r - a)] for a in fresh)
-        kept = {r: s for r, s in self.seconds.items() if r in fresh or s <= cover[r]}
-        return _interpolate(kept, rows)
+        return {r: s for r, s in self.seconds.items() if r in fresh or s <= cover[r]}
 
 
 @attrs.define

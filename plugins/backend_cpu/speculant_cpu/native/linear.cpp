@@ -77,9 +77,10 @@ int g_amx_min_rows = 5;
 // took 1.2x longer tiled (103 against 86 ms a forward) though 1.0-1.1x faster in cache.
 int g_tiled_min_rows = 8;
 
-// A tiled call's rows past its last whole group of 16, where there are at most this many (and
-// at least one whole group), take the per-row kernels on each chunk of weight rows while the
-// chunk is in cache, instead of a group padded to 16 rows that costs what 16 rows do (0: never).
+// A tiled call's rows past its last whole group of 16 (on AVX2, of 9-15 rows those past the
+// first 8), where there are at most this many, take the per-row kernels on each chunk of weight
+// rows while the chunk is in cache, instead of a group padded to 16 rows that costs what 16 rows
+// do (0: never).
 // A verification of a 48-token draft is 49 rows. Measured in whole forwards of the 1.5B after
 // 1500 cached tokens, 2 cores of a Zen 4: AVX-512, 17/20/33/49 rows 225/247/377/520 -> 166/211/
 // 302/416 ms, and up to 8 rows past the groups as fast as the 8-row groups (tiled_pairs.cpp) or
