@@ -9,21 +9,17 @@ counts just past a group of 16 (docs/benchmarks.md, "Fourteenth run"). Medians i
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
-from pathlib import Path
 
+from bench_rows import MODELS, tokens, verify_forward  # scripts/ is on sys.path when run as a script
 from speculant import Batch
 from speculant.loader import load_model
 from speculant_cpu import native
 
-MODEL = Path(os.environ.get("SPECULANT_MODELS", Path.home() / ".cache" / "speculant-models")) / "qwen2.5-coder-1.5b-instruct.gguf"
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-m", "--model", default=str(MODEL))
+    ap.add_argument("-m", "--model", default=str(MODELS / "qwen2.5-coder-1.5b-instruct.gguf"))
     ap.add_argument("--rows", default="16,17,24,33,48,49")
     ap.add_argument("--tails", default="0,8", help="tail limits to alternate")
     ap.add_argument("--context", type=int, default=1500, help="tokens cached before the timed rows")
@@ -33,10 +29,8 @@ def main() -> int:
     if lib is None:
         raise SystemExit(f"native kernels unavailable: {native.why_unavailable()}")
     model = load_model(a.model, threads=2, progress=False)
-    n = model.info.n_vocab
-    tokens = [(17 * i + 101) % n for i in range(a.context + 64)]
     context = model.new_context(a.context + 100)
-    model.forward(Batch.for_sequence(0, 0, tokens[: a.context], logits="none", prompt_len=a.context), context)
+    model.forward(Batch.for_sequence(0, 0, tokens(model, a.context), logits="none", prompt_len=a.context), context)
     rows, tails = [int(r) for r in a.rows.split(",")], [int(t) for t in a.tails.split(",")]
     old = lib.spk_set_tiled_tail_rows(0)
     times: dict[tuple[int, int], list[float]] = {(r, t): [] for r in rows for t in tails}
@@ -44,12 +38,9 @@ def main() -> int:
         for r in rows:
             for t in tails:
                 lib.spk_set_tiled_tail_rows(t)
-                t0 = time.perf_counter()
-                model.forward(Batch.for_sequence(0, a.context, tokens[a.context : a.context + r], logits="all",
-                                                 prompt_len=a.context), context)
+                seconds = verify_forward(model, context, r, a.context, a.context)
                 if repeat:
-                    times[(r, t)].append(time.perf_counter() - t0)
-                context.truncate(0, a.context)
+                    times[(r, t)].append(seconds)
     lib.spk_set_tiled_tail_rows(old)
     print(f"{native.isa_of(lib)}, {a.context} cached tokens, ms (median of {a.repeats})")
     print("rows" + "".join(f"{'tail ' + str(t):>10}" for t in tails))
