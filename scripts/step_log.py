@@ -34,6 +34,9 @@ def main() -> int:
     a = ap.parse_args()
     args = cli.build_parser().parse_args(["bench", "-m", a.model, "--workloads", a.workloads, "--spec-type", a.spec, *a.extra.split()])
     model = load(args)
+    warm_up = getattr(model, "warm_up", None)
+    if warm_up is not None:  # as `speculant serve` and `speculant bench`: no background work in the timed steps
+        warm_up()
     workload = next(w for w in load_workloads(a.workloads) if w["name"] == a.workload)
     prompt = prompt_tokens(model, workload)
     config, specs = engine_setup(args, model)
