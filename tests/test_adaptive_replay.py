@@ -171,3 +171,30 @@ def test_a_slow_forward_at_a_row_count_does_not_price_drafts_out_for_good():
     assert c.forward.cost(17) < 0.7 * slow  # between 2 rows and 33, no longer along 3 and 5
     c.observe_forward(3, 0.070)  # measured again: fresh, and its own value
     assert c.forward.cost(3) == pytest.approx(0.8 * 0.134 + 0.2 * 0.070)
+
+
+def test_a_long_copy_is_trimmed_to_rows_the_kernels_take_cheaper():
+    """A cheap speculator's long drafts (verified whole) are trimmed where fewer rows cost less per
+    expected token: a row past a group of 16 costs more than a row inside one (AVX-512 without
+    AMX, whole forwards of the 1.5B after 1500 cached tokens, docs/benchmarks.md). Never below
+    CUT_BELOW tokens, and not at all where the cost grows evenly with the rows."""
+    from speculant.adaptive import CUT_BELOW
+
+    zen4 = {1: 0.033, 2: 0.043, 16: 0.140, 17: 0.166, 24: 0.256, 32: 0.260, 33: 0.302, 48: 0.389, 49: 0.416}
+    even = {r: 0.033 + 0.007 * (r - 1) for r in zen4}
+    for profile, trims in ((zen4, True), (even, False)):
+        c = DraftLengthController()
+        for rows, seconds in profile.items():
+            c.observe_forward(rows, seconds)
+        for _ in range(2):  # the first call is the prompt's catch-up, not counted
+            c.observe_cost("suffix", 1e-4, 48)
+        assert c.cheap("suffix")  # its drafts are judged by their length class
+        for n in (48, 23, 32):
+            c.observe_draft("suffix", n, n)  # copies: accepted whole
+        if trims:
+            assert c.best_length("suffix", 48) in (31, 47)  # 32 or 48 rows, not 49
+            assert c.best_length("suffix", 23) == 15  # 16 rows, not 24 (which cost what 32 do)
+            assert c.best_length("suffix", 31) == 31  # 32 rows: already the cheapest per token
+        else:
+            assert [c.best_length("suffix", n) for n in (48, 23, 31)] == [48, 23, 31]
+        assert c.best_length("suffix", CUT_BELOW + 1) >= CUT_BELOW

@@ -24,13 +24,13 @@ verified 6 at a time) or the copies' acceptance pays for verifying every guess (
 guess right 15% of the time costs 27% more than a plain step on a Zen 4 core). So a cheap
 speculator's draft is judged by the drafts of its length class (1, 2-3, 4-7, 8-15, 16+ tokens as
 proposed): verified whole, by the share of such drafts accepted (a copy's tokens stand or fall
-together), or, under CUT_BELOW tokens, cut to the k its class's acceptance by position gives (a
-draft sure of its first tokens only), whichever is expected faster, or not at all. A draft's
+together; from CUT_BELOW tokens on, trimmed where fewer rows cost less per token, see
+TRIM_MARGIN), or, under CUT_BELOW tokens, cut to the k its class's acceptance by position gives
+(a draft sure of its first tokens only), whichever is expected faster, or not at all. A draft's
 tokens left unverified (all of it when it was dropped, the rest when it was cut and what was
-verified was accepted)
-still teach its class: the engine compares them with the tokens the sequence then emits
-(`observe_shadow`), so a class wins back as soon as its drafts turn right (the growing drafts of
-a copy the sequence has started to follow), at no cost.
+verified was accepted) still teach its class: the engine compares them with the tokens the
+sequence then emits (`observe_shadow`), so a class wins back as soon as its drafts turn right
+(the growing drafts of a copy the sequence has started to follow), at no cost.
 
 Acceptance is tracked per spec type with exponential forgetting, the forward cost per row count.
 A declined spec type is still probed now and then so it can win back when text turns repetitive,
@@ -71,6 +71,13 @@ DROP_MARGIN = 0.05
 # in three drafted 1.8 tokens a step, 0.71x the controller off). Shorter drafts may be cut (a
 # suffix tree's short matches on extract-table: sure of the first tokens only).
 CUT_BELOW = 8
+# A long draft is trimmed to fewer tokens where its verification then costs this share less per
+# expected token, or more: the kernels take rows in groups (16 on AVX-512), and a row past a
+# group costs more than a row inside one. Measured on a Zen 4 core (AVX-512, no AMX), 1.5B, after
+# 1500 tokens: 48 rows 389 ms, 49 rows 416; 16 rows 140, 24 rows 256 (what 32 cost). A suffix
+# tree's copy of 48 tokens verified as 47 then costs 7.1 instead of 7.5 ms a token (the 48th
+# comes with the next step's draft). The margin keeps noise in the costs from flipping the choice.
+TRIM_MARGIN = 0.02
 LENGTH_CLASSES = 5  # drafts of 1, 2-3, 4-7, 8-15 and 16+ tokens are estimated apart (best_length)
 
 
@@ -128,9 +135,16 @@ class ForwardCost:
         self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def cost(self, rows: int) -> float | None:
+        return _interpolate(self._table(), rows)
+
+    def measured(self) -> list[int]:
+        """The row counts whose cost is measured (not interpolated), ascending."""
+        return sorted(self._table())
+
+    def _table(self) -> dict[int, float]:
         if self._kept_at != self.observations:  # made once per observation: cost() is asked for many row counts a step
             self._kept, self._kept_at = self._current(), self.observations
-        return _interpolate(self._kept, rows)
+        return self._kept
 
     def _current(self) -> dict[int, float]:
         """The estimates, less the stale ones that fresh forwards covering their rows undercut."""
@@ -370,7 +384,8 @@ class DraftLengthController:
     def best_length(self, spec_type: str, n: int) -> int:
         """How many of the n drafted tokens are worth verifying. A costly speculator's draft: at
         least 1 (the decision to draft was `plan`'s, and the drafting is paid for). A cheap one's:
-        all, a cut, or 0, by its length class (see the module's doc); 0: the step decodes plainly."""
+        all, a trim or a cut, or 0, by its length class (see the module's doc); 0: the step decodes
+        plainly."""
         if not self.enabled or n == 0:
             return n
         if not self.cheap(spec_type):
@@ -386,4 +401,21 @@ class DraftLengthController:
             cut = self._best(spec_type, n, 0.0, acc=self.by_length_position.get(key, Acceptance()))
             if cut is not None and cut[0] and cut[1] > best_rate:
                 best_k, best_rate = cut
+        else:
+            best_k, best_rate = self._trim(n, share, best_rate)
         return best_k if best_rate > (1 - DROP_MARGIN) / t1 else 0
+
+    def _trim(self, n: int, share: float, whole_rate: float) -> tuple[int, float]:
+        """A long draft of n tokens (share: its class's acceptance) trimmed to the k >= CUT_BELOW
+        whose verification costs least per expected token, where that beats verifying it whole by
+        TRIM_MARGIN; else (n, whole_rate). Only measured row counts can be cheaper per row than
+        their neighbours (between two, the cost is interpolated linearly, and the rate is monotonic
+        along a line), so they are the candidates."""
+        best_k, best_rate = n, whole_rate
+        for rows in self.forward.measured():
+            k = rows - 1
+            if CUT_BELOW <= k < n:
+                rate = (1 + share * k) / self.forward.cost(rows)
+                if rate > best_rate and rate > whole_rate * (1 + TRIM_MARGIN):
+                    best_k, best_rate = k, rate
+        return best_k, best_rate
