@@ -47,10 +47,12 @@ def main() -> int:
     def logged(plan, out, seconds):
         draft = plan.decode[0].draft if plan.decode else None
         rows = sum(len(d.draft) + 1 if d.draft else 1 for d in plan.decode)
+        proposed = engine._proposed.get(plan.decode[0].seq.seq_id) if plan.decode and draft else None  # before the controller's cut
         emitted = commit(plan, out, seconds)
         # a prompt's last chunk rides with the first decode step: such steps are counted apart
         steps.append({"rows": rows, "prompt_rows": len(plan.batch) - rows, "draft": len(draft) if draft else 0,
-                      "spec_type": draft.spec_type if draft else "", "emitted": sum(len(v) for v in emitted.values()),
+                      "spec_type": draft.spec_type if draft else "", "proposed": len(proposed) if proposed else 0,
+                      "emitted": sum(len(v) for v in emitted.values()),
                       "seconds": seconds})
         return emitted
 
@@ -66,7 +68,9 @@ def main() -> int:
         part = [s for s in decode if keep(s)]
         print(f"  {name:12s} {len(part):4d} steps {sum(s['rows'] for s in part):5d} rows "
               f"{sum(s['emitted'] for s in part):4d} tokens {sum(s['seconds'] for s in part):6.2f} s")
-    print("  drafts (length:accepted):", " ".join(f"{s['draft']}:{s['emitted'] - 1}" for s in decode if s["draft"]))
+    print("  drafts (length:accepted, /proposed where the controller cut it):",
+          " ".join(f"{s['draft']}:{s['emitted'] - 1}" + (f"/{s['proposed']}" if s["proposed"] > s["draft"] else "")
+                   for s in decode if s["draft"]))
     if a.json:
         Path(a.json).write_text(json.dumps(steps))
     return 0
