@@ -170,3 +170,43 @@ def test_warm_up_leaves_the_copy_ready(tmp_path):
     assert m.argmax_output is not None and m.argmax_output.screen is None  # nothing built at load
     m.warm_up()
     assert m.argmax_output.screen is not None and not m.argmax_output._thread.is_alive()
+
+
+def test_a_build_stopped_at_exit_writes_nothing(model, monkeypatch, tmp_path):
+    """stop() (what the atexit handler calls) ends a build at its next chunk: no copy, no cache
+    file, the full head keeps answering."""
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    monkeypatch.setattr(screen, "CACHE_MIN_VALUES", 0)
+    sh = screen.ScreenedHead(model.output)
+    sh._cancel.set()  # as if the process were exiting before the first chunk
+    assert not sh.wait() and sh.error.startswith("cancelled")
+    assert not list(tmp_path.rglob("*.npz"))
+    assert sh(_inputs(np.random.default_rng(1), 1, sh.k)) is None  # the caller takes the full head
+
+
+EXIT_DURING_BUILD = """
+import sys
+from speculant.loader import load_model
+from speculant_cpu import screen
+screen.CHUNK_ROWS = 16  # many chunks: the build is still running when the script ends
+screen.CACHE_MIN_VALUES = 0
+m = load_model(sys.argv[1], threads=2, progress=False)
+m.argmax_output.start()
+assert m.argmax_output._thread.is_alive()
+"""
+
+
+def test_a_process_exiting_during_the_build_exits_cleanly(tmp_path):
+    """A short `speculant generate` used to end while the copy was still building, and the
+    daemon thread, ended inside torch during finalization, aborted the process (exit 134)."""
+    import os
+    import subprocess
+    import sys
+    path = write_tiny_model(tmp_path / "x.gguf", "qwen2", qtype="Q6_K", n_vocab=8192, n_embd=256, n_ff=256, n_head=4,
+                            n_kv_head=2, head_dim=64, n_layers=1, seed=7)
+    env = {**os.environ, "SPECULANT_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", EXIT_DURING_BUILD, str(path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate" not in done.stderr
+    assert not list((tmp_path / "cache").rglob("*.npz"))  # stopped before the last chunk

@@ -25,10 +25,12 @@ SPECULANT_SCREEN=0, greedy rows take the full head.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import gguf
@@ -77,6 +79,10 @@ def enabled() -> bool:
     return os.environ.get("SPECULANT_SCREEN", "1").strip() not in ("0", "false", "no", "off")
 
 
+class Cancelled(Exception):
+    """The process is exiting: the copy's build stops between chunks and writes nothing."""
+
+
 class Screen:
     """The Q4_K copy of one head and each row's bound factor q_v (||w_v - w4_v|| plus slack)."""
 
@@ -84,12 +90,15 @@ class Screen:
         self.q4, self.qv = q4, np.ascontiguousarray(qv, dtype=np.float32)
 
 
-def build_screen(raw: np.ndarray, qtype: int, n: int, k: int) -> Screen:
-    """Requantize the head (raw: its GGUF rows, n x row bytes) to Q4_K and bound each row."""
+def build_screen(raw: np.ndarray, qtype: int, n: int, k: int, cancel: threading.Event | None = None) -> Screen:
+    """Requantize the head (raw: its GGUF rows, n x row bytes) to Q4_K and bound each row;
+    raises Cancelled between chunks once `cancel` is set."""
     raw = raw.reshape(n, -1)
     q4 = np.empty((n, _row_bytes(SCREEN_QTYPE, k)), np.uint8)
     qv = np.empty(n, np.float32)
     for r0 in range(0, n, CHUNK_ROWS):
+        if cancel is not None and cancel.is_set():
+            raise Cancelled
         r1 = min(n, r0 + CHUNK_ROWS)
         w = dequantize(raw[r0:r1], Q(qtype), (r1 - r0, k)).numpy()
         q4[r0:r1] = quantize_k(w, SCREEN_QTYPE)
@@ -101,10 +110,10 @@ def build_screen(raw: np.ndarray, qtype: int, n: int, k: int) -> Screen:
     return Screen(q4, qv)
 
 
-def load_or_build(raw: np.ndarray, qtype: int, n: int, k: int) -> Screen:
+def load_or_build(raw: np.ndarray, qtype: int, n: int, k: int, cancel: threading.Event | None = None) -> Screen:
     """The cached screen of these bytes, or a new one (then cached)."""
     if n * k < CACHE_MIN_VALUES:
-        return build_screen(raw, qtype, n, k)
+        return build_screen(raw, qtype, n, k, cancel)
     h = hashlib.blake2b(digest_size=16)
     h.update(f"v{SCREEN_VERSION} {int(qtype)} {n} {k}".encode())
     h.update(memoryview(np.ascontiguousarray(raw).reshape(-1)))
@@ -116,7 +125,7 @@ def load_or_build(raw: np.ndarray, qtype: int, n: int, k: int) -> Screen:
             return Screen(q4, qv)
     except Exception:  # noqa: BLE001 - absent, truncated or foreign: build it again
         pass
-    screen = build_screen(raw, qtype, n, k)
+    screen = build_screen(raw, qtype, n, k, cancel)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
@@ -137,7 +146,9 @@ class ScreenedHead:
         self.screen: Screen | None = None
         self.error: str | None = None
         self.max_rows = MAX_ROWS["avx512" if self.lib.spk_isa() == 1 else "avx2"]
+        self._cancel = threading.Event()
         self._thread = threading.Thread(target=self._build, name="speculant-screen", daemon=True)
+        _building.add(self)
         if not background:
             self._build()
 
@@ -156,13 +167,21 @@ class ScreenedHead:
 
     def _build(self) -> None:
         try:
-            screen = load_or_build(self.head.raw, self.head.qtype, self.n, self.k)
+            screen = load_or_build(self.head.raw, self.head.qtype, self.n, self.k, self._cancel)
             self.lib.spk_prefault(screen.q4.ctypes.data, screen.q4.nbytes)
             self.screen = screen
             log.info("screen_ready", rows=self.n, mbytes=round(screen.q4.nbytes / 1e6, 1))
+        except Cancelled:
+            self.error = "cancelled: the process is exiting"
         except Exception as e:  # noqa: BLE001 - the full head keeps working without it
             self.error = f"{type(e).__name__}: {e}"
             log.warning("screen_failed", error=self.error)
+
+    def stop(self) -> None:
+        """Stop a build in progress (at exit) and wait for its thread."""
+        self._cancel.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def wait(self) -> bool:
         self.start()
@@ -214,3 +233,17 @@ class ScreenedHead:
             else:
                 out[i, torch.from_numpy(idx[i, :c].astype(np.int64))] = y
         return out
+
+
+# Heads whose copy may be building. A daemon thread still inside numpy or torch when the
+# interpreter finalizes is ended from under C++ frames, and the process aborts ("terminate called
+# without an active exception", exit 134): a short `speculant generate` ended that way whenever
+# the copy was not yet cached. At exit each build stops at its next chunk (within about a
+# second) and is joined, before finalization.
+_building: "weakref.WeakSet[ScreenedHead]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_builds() -> None:
+    for head in list(_building):
+        head.stop()
