@@ -175,6 +175,28 @@ def test_vector_exps_are_the_same_bits_on_every_isa():
 
 
 @several
+@pytest.mark.parametrize("dk", [32, 64, 128, 200])
+def test_the_delta_net_recurrence_is_the_same_bits_on_every_isa(dk):
+    """The DeltaNet recurrence sums its dot products in llama.cpp's AVX-512 order on every ISA
+    (it once took the AVX2 build's on AVX2 libraries, and Qwen3.5's outputs then differed on a
+    CPU without AVX-512 from those on every other)."""
+    gen = torch.Generator().manual_seed(dk)
+    n, hv, dv = 5, 3, 16
+    q, k = (torch.nn.functional.normalize(torch.randn(n, hv, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(n, hv, dv, generator=gen)
+    decay, beta = torch.rand(n, hv, generator=gen), torch.rand(n, hv, generator=gen)
+    state0 = torch.randn(hv, dv, dk, generator=gen)
+
+    def run(lib):
+        state, out = state0.clone(), torch.empty(n, hv, dv)
+        lib.spk_gated_delta_net(state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(),
+                                n, hv, dv, dk, dk ** -0.5, out.data_ptr(), None)
+        return torch.cat([state.flatten(), out.flatten()])
+
+    same_on_every_isa(run)
+
+
+@several
 def test_elementwise_kernels_are_the_same_bits_on_every_isa():
     gen = torch.Generator().manual_seed(7)
     gate = torch.cat([torch.linspace(-120, 120, 20011), torch.randn(8960 * 3 - 20011, generator=gen) * 6]).reshape(3, -1).contiguous()

@@ -282,22 +282,17 @@ def _addcmul_is_fma() -> bool:
 
 _fma = torch.addcmul if _addcmul_is_fma() else _fma_double
 
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512f" in line for line in f)
-    except OSError:
-        return False
-
-
-# ggml_vec_dot_f32 on x86 (ggml's CPU backend built for the machine): GGML_F32_ARR = 4 vector
-# accumulators of GGML_F32_EPR lanes (16 with AVX-512, 8 with AVX2) take the first
-# n - n % (4 * EPR) values with FMAs, element i into lane i % EPR of accumulator (i // EPR) % 4;
-# the accumulators are added pairwise (0+2, 1+3, then the two), the lanes summed by halves down to
-# four, and those as GCC's _mm512_reduce_add_ps does ((0+2) + (1+3)) or as AVX's two hadds do
-# ((0+1) + (2+3)); the rest of the values are added one by one, product and sum each rounded (that
-# loop is not contracted to FMAs: checked against llama.cpp's tensors, AVX-512 build).
-GGML_F32_EPR, GGML_F32_ARR = (16, 4) if _has_avx512() else (8, 4)
+# ggml_vec_dot_f32 as llama.cpp's AVX-512 build computes it, on every CPU (as the CPU backend's
+# native recurrence does, whatever ISA it was built for: the project's kernels all compute that
+# build's bits): GGML_F32_ARR = 4 vector accumulators of GGML_F32_EPR = 16 lanes take the first
+# n - n % 64 values with FMAs, element i into lane i % 16 of accumulator (i // 16) % 4; the
+# accumulators are added pairwise (0+2, 1+3, then the two), the lanes summed by halves down to
+# four, and those as GCC's _mm512_reduce_add_ps does ((0+2) + (1+3)); the rest of the values are
+# added one by one, product and sum each rounded (that loop is not contracted to FMAs: checked
+# against llama.cpp's tensors, AVX-512 build). (Its AVX2 build sums 8 lanes and ends with two
+# hadds; it also differs in attention's fp16 dots and SwiGLU's exp, where the CPU backend follows
+# the AVX-512 build, so following the AVX2 order here alone matched neither build.)
+GGML_F32_EPR, GGML_F32_ARR = 16, 4
 
 
 def ggml_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -315,10 +310,7 @@ def ggml_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         while a.shape[-1] > 4:
             half = a.shape[-1] // 2
             a = a[..., half:] + a[..., :half]
-        if GGML_F32_EPR == 16:
-            s = (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])
-        else:
-            s = (a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])
+        s = (a[..., 0] + a[..., 2]) + (a[..., 1] + a[..., 3])
     else:
         s = torch.zeros(torch.broadcast_shapes(x.shape, y.shape)[:-1], dtype=torch.float32, device=x.device)
     for i in range(n_simd, n):

@@ -6,11 +6,15 @@
 //                          delta_j = (v[t, h, j] - dot(S_j, k[t, h])) * beta[t, h]
 //                          S_j += delta_j * k[t, h]                       (FMAs, ggml_vec_mad_f32)
 //                          out[t, h, j] = dot(S_j, q[t, h]) * scale
-//                        dot is ggml_vec_dot_f32: 4 accumulators of the vector's lanes (16 on an
-//                        AVX-512 build, 8 on AVX2) over the first d - d % (4 lanes) values, FMAs
-//                        after the first product, summed (0+2)+(1+3), the lanes by halves down to
-//                        four, then as _mm512_reduce_add_ps ((0+2)+(1+3)) or AVX's two hadds
-//                        ((0+1)+(2+3)); the rest of the values one by one, product then sum.
+//                        dot is ggml_vec_dot_f32 as llama.cpp's AVX-512 build computes it: 4
+//                        accumulators of 16 lanes over the first d - d % 64 values, FMAs after
+//                        the first product, summed (0+2)+(1+3), the lanes by halves down to four,
+//                        then as _mm512_reduce_add_ps ((0+2)+(1+3)); the rest of the values one
+//                        by one, product then sum. The AVX2 builds too: every ISA of this library
+//                        computes the AVX-512 build's bits, as every other kernel does (llama.cpp's
+//                        AVX2 build sums in 8 lanes with two hadds here, and differs in attention's
+//                        fp16 dots and SwiGLU's exp too, which follow the AVX-512 build: matching
+//                        its order here alone would match neither build; docs/architecture.md).
 // A row's channels are independent, so each is taken through all four steps at once while it
 // sits in L1. Heads run in parallel on the pool. Built with -ffp-contract=off: every FMA is a
 // written fmaf (the loops vectorise to vfmadd), every other product is rounded by itself.
@@ -22,11 +26,7 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int EPR = 16;
-#else
-constexpr int EPR = 8;
-#endif
+constexpr int EPR = 16;  // llama.cpp's AVX-512 build, on every ISA (above)
 constexpr int ARR = 4;
 constexpr int STEP = EPR * ARR;
 
@@ -44,7 +44,7 @@ inline float ggml_dot(const float* x, const float* y, int n) {
         for (int l = 0; l < EPR; ++l) t[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
         for (int w = EPR / 2; w >= 4; w /= 2)
             for (int l = 0; l < w; ++l) t[l] = t[l + w] + t[l];
-        s = EPR == 16 ? (t[0] + t[2]) + (t[1] + t[3]) : (t[0] + t[1]) + (t[2] + t[3]);
+        s = (t[0] + t[2]) + (t[1] + t[3]);
     }
     for (int i = n_simd; i < n; ++i) {
         const float p = x[i] * y[i];
