@@ -17,20 +17,33 @@ ONLY=${ONLY-code-edit-bisect}
 SB="--specbench ${SPECBENCH:-../shared/bench/specbench.py} --workloads tests/data/workloads-public.json --out ${OUT:-paths.jsonl}"
 [ -n "$ONLY" ] && SB="$SB --only $ONLY"
 PY=.venv/bin/python
-LS=${LLAMA_SERVER:?set LLAMA_SERVER to the AVX-512 llama-server of llama.cpp (docs/benchmarks.md has the build)}
+# On a CPU without AVX-512 (AMD Zen 2-3, Intel's consumer parts) only the AVX2 path exists: set
+# LLAMA_SERVER_AVX2 alone.
+has_avx512=0; grep -qw avx512_vnni /proc/cpuinfo && has_avx512=1
+if [ $has_avx512 = 1 ]; then
+  LS=${LLAMA_SERVER:?set LLAMA_SERVER to the AVX-512 llama-server of llama.cpp (docs/benchmarks.md has the build)}
+else
+  LS=
+fi
 LS2=${LLAMA_SERVER_AVX2:-}
-SPEC="--spec-type suffix,ngram-simple --spec-draft-n-max 48 --spec-suffix-max-depth 64"
+[ -z "$LS$LS2" ] && { echo "set LLAMA_SERVER_AVX2 to llama.cpp's AVX2 llama-server (no AVX-512 on this CPU)" >&2; exit 2; }
+# Drafts of at most 47 tokens: with the bonus row a verification is 48 rows, three whole groups of
+# the tiled kernels (49 rows cost 416 ms against 389 after 1500 tokens on AVX-512; on the
+# development workloads 47 ran 4-8% faster than 48, docs/benchmarks.md, "Fifteenth run").
+SPEC="--spec-type suffix,ngram-simple --spec-draft-n-max 47 --spec-suffix-max-depth 64"
 
 paths=()
 grep -qw amx_tile /proc/cpuinfo && paths+=("amx:")
-paths+=("avx512:SPECULANT_AMX=0")
+[ $has_avx512 = 1 ] && paths+=("avx512:SPECULANT_AMX=0")
 [ -n "$LS2" ] && paths+=("avx2:SPECULANT_ISA=avx2")
 
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for cfg in "plain:" "ngram-map-k:--spec-type ngram-map-k"; do
     name=${cfg%%:*}; flags=${cfg#*:}
-    echo "== round $round: llama.cpp avx512 $name"
-    $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx512-$name -- $LS -m $T --port 8091 -t 2 -c 4096 -np 1 $flags
+    if [ -n "$LS" ]; then
+      echo "== round $round: llama.cpp avx512 $name"
+      $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx512-$name -- $LS -m $T --port 8091 -t 2 -c 4096 -np 1 $flags
+    fi
     if [ -n "$LS2" ]; then
       echo "== round $round: llama.cpp avx2 $name"
       $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx2-$name -- $LS2 -m $T --port 8091 -t 2 -c 4096 -np 1 $flags

@@ -16,7 +16,7 @@ done
 # the last two: the fastest configurations measured on code edits (docs/benchmarks.md, fifth run)
 for cfg in "plain:" "ngram-simple:--spec-type ngram-simple" "ngram-map-k:--spec-type ngram-map-k" "suffix:--spec-type suffix" "suffix-32:--spec-type suffix --spec-draft-n-max 32" "draft-simple:-md $D --spec-type draft-simple" "ngram-simple,draft-simple:-md $D --spec-type ngram-simple,draft-simple" "ngram-map-k,draft-simple:-md $D --spec-type ngram-map-k,draft-simple" \
            "suffix,ngram-simple-32:--spec-type suffix,ngram-simple --spec-draft-n-max 32 --no-spec-adaptive" \
-           "suffix,ngram-simple-48-d64:--spec-type suffix,ngram-simple --spec-draft-n-max 48 --spec-suffix-max-depth 64 --no-spec-adaptive"; do
+           "suffix,ngram-simple-47-d64:--spec-type suffix,ngram-simple --spec-draft-n-max 47 --spec-suffix-max-depth 64 --no-spec-adaptive"; do
   name=${cfg%%:*}; flags=${cfg#*:}
   echo "== speculant $name"; $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8090 --label ours-$name -- .venv/bin/speculant serve -m $T --port 8090 -c 4096 -np 1 $flags
 done

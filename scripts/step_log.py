@@ -5,7 +5,7 @@ seconds; then totals by kind (no draft, short drafts, long drafts). Where a conf
 goes (docs/benchmarks.md, "Twelfth run").
 
     .venv/bin/python scripts/step_log.py --spec suffix,ngram-simple \\
-        --extra "--spec-draft-n-max 48 --spec-suffix-max-depth 64 --no-spec-adaptive"
+        --extra "--spec-draft-n-max 47 --spec-suffix-max-depth 64 --no-spec-adaptive"
 """
 from __future__ import annotations
 
