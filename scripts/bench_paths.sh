@@ -4,7 +4,7 @@
 # avx2: with AVX-VNNI where the CPU has it, as on Intel since Alder Lake; without, as on AMD Zen 2-4).
 # The peer: llama.cpp's AVX-512 build for the first two (ggml has no AMX path for these types in
 # that build) and its AVX2 build for the third. Each: plain decoding and the best speculative
-# configuration measured on code edits (ours: suffix,ngram-simple, 48 tokens, depth 64, with the
+# configuration measured on code edits (ours: suffix,ngram-simple, 47 tokens, depth 64, with the
 # adaptive controller off as "best" and on, the default, as "adaptive"; llama.cpp: ngram-map-k).
 # ROUNDS=N interleaves N rounds (medians on a noisy box); ONLY=workload limits the workloads
 # (default code-edit-bisect).
@@ -28,8 +28,9 @@ fi
 LS2=${LLAMA_SERVER_AVX2:-}
 [ -z "$LS$LS2" ] && { echo "set LLAMA_SERVER_AVX2 to llama.cpp's AVX2 llama-server (no AVX-512 on this CPU)" >&2; exit 2; }
 # Drafts of at most 47 tokens: with the bonus row a verification is 48 rows, three whole groups of
-# the tiled kernels (49 rows cost 416 ms against 389 after 1500 tokens on AVX-512; on the
-# development workloads 47 ran 4-8% faster than 48, docs/benchmarks.md, "Fifteenth run").
+# the tiled kernels (49 rows cost 416 ms against 389 after 1500 tokens on AVX-512, where 47 ran
+# 4-8% faster than 48 on the development workloads; on a Zen 3's AVX2 path no difference showed:
+# docs/benchmarks.md, "Sixteenth run").
 SPEC="--spec-type suffix,ngram-simple --spec-draft-n-max 47 --spec-suffix-max-depth 64"
 
 paths=()

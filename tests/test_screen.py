@@ -8,6 +8,8 @@ with and without the screen. Only greedy rows without logprobs or a grammar may 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -186,10 +188,12 @@ def test_a_build_stopped_at_exit_writes_nothing(model, monkeypatch, tmp_path):
 
 EXIT_DURING_BUILD = """
 import sys
+from pathlib import Path
 from speculant.loader import load_model
 from speculant_cpu import screen
 screen.CHUNK_ROWS = 16  # many chunks: the build is still running when the script ends
 screen.CACHE_MIN_VALUES = 0
+screen._cache_dir = lambda: Path(sys.argv[2])  # (not SPECULANT_CACHE: the native library's cache stays warm)
 m = load_model(sys.argv[1], threads=2, progress=False)
 m.argmax_output.start()
 assert m.argmax_output._thread.is_alive()
@@ -199,14 +203,10 @@ assert m.argmax_output._thread.is_alive()
 def test_a_process_exiting_during_the_build_exits_cleanly(tmp_path):
     """A short `speculant generate` used to end while the copy was still building, and the
     daemon thread, ended inside torch during finalization, aborted the process (exit 134)."""
-    import os
-    import subprocess
-    import sys
     path = write_tiny_model(tmp_path / "x.gguf", "qwen2", qtype="Q6_K", n_vocab=8192, n_embd=256, n_ff=256, n_head=4,
                             n_kv_head=2, head_dim=64, n_layers=1, seed=7)
-    env = {**os.environ, "SPECULANT_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-c", EXIT_DURING_BUILD, str(path)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", EXIT_DURING_BUILD, str(path), str(tmp_path / "cache")], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "terminate" not in done.stderr
     assert not list((tmp_path / "cache").rglob("*.npz"))  # stopped before the last chunk
