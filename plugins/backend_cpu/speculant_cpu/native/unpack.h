@@ -38,11 +38,34 @@ inline void prefetch(const void* block, int bytes) {
 }
 
 // The four-row decode kernels (the _w4 ones) read block b of four consecutive weight rows at a
-// time, so what they read PREFETCH_BYTES later is block b + P of the same four rows, P =
-// PREFETCH_BYTES / (4 x block bytes), or past the rows' end a block of the four rows after them
-// (contiguous). prefetch() of the block itself lands PREFETCH_BYTES further in memory, which
-// for long rows (k = 8960: 5040 bytes a Q4_K row) is a row of the same four, read at the same
-// time: no distance at all. Per b: fetch(t) for each of the four rows, then next().
+// time: four streams row_bytes apart, each moving forward a block per step, over a span of memory
+// (the four rows) that the next four rows continue. Prefetched in that span's address order, one
+// step's share (four blocks' bytes) per b, LINEAR_PREFETCH_MIN bytes or the span's length ahead
+// (whichever is more, so that every row of the span has been fetched before it is read): the
+// hardware sees one forward stream. Before, block b + P of each of the four rows was fetched
+// (P = PREFETCH_BYTES / (4 x block bytes)): where rows are short (k = 1536: 864 bytes a Q4_K row)
+// the four jumped back and forth inside a few kilobytes, and the rows of 1536 values streamed at
+// 5-10 GB/s where rows of 8960 streamed at 11-15. Measured on a Zen 3 (2 cores, AVX2), the 1.5B's
+// matrices at one row, libraries alternated in one process: see docs/benchmarks.md, seventeenth
+// run. Per b: fetch(t) for each of the four rows (a no-op here, kept so that each kernel says what
+// it reads), then next().
+#if SPK_AVX2
+constexpr int64_t LINEAR_PREFETCH_MIN = 4096;
+struct W4Prefetch {
+    const char* cur;  // the next byte to prefetch
+    int64_t step;     // four blocks' bytes
+    W4Prefetch(const uint8_t* row, size_t row_bytes, int, size_t block_bytes)
+        : cur((const char*)row + std::max<int64_t>(4 * (int64_t)row_bytes, LINEAR_PREFETCH_MIN)), step(4 * (int64_t)block_bytes) {}
+    void fetch(int, int) const {}
+    void next() {  // the next b
+        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(cur + o, _MM_HINT_T1);
+        cur += step;
+    }
+};
+#else
+// AVX-512 builds (not yet measured with the linear order): block b + P of each of the four rows,
+// P = PREFETCH_BYTES / (4 x block bytes), or past the rows' end a block of the four rows after
+// them (contiguous).
 struct W4Prefetch {
     const uint8_t* row;
     size_t row_bytes, block_bytes;
@@ -61,6 +84,7 @@ struct W4Prefetch {
         for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
     }
 };
+#endif
 
 // The tiled kernels' weight stream: they read block b of 8 or 16 weight rows at a time, rows that
 // are only 864 bytes long in the 1.5B's k = 1536 matrices, so prefetch() a fixed distance ahead
