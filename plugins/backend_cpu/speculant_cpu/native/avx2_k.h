@@ -331,45 +331,6 @@ void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a
     _mm_storeu_ps(y, s);
 }
 
-// R activation rows (1: decode; 2: a one-token draft's verification) against four weight rows,
-// each weight block decoded once for all R. Output y[(i0 + r) * ldy + t] for weight row t.
-template <int R>
-void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i0, float* y, int64_t ldy) {
-    __m128 s[R], sn[R];
-    for (int r = 0; r < R; ++r) s[r] = sn[r] = _mm_setzero_ps();
-    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ4K));
-    for (int b = 0; b < nb; ++b) {
-        const int8_t* xq[R];
-        __m128i bs[R];
-        for (int r = 0; r < R; ++r) {
-            const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
-            xq[r] = a.qs.data() + ab * 256;
-            bs[r] = _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab * 8));
-        }
-        __m256i acc[R][4];
-        __m128i mm[R][4];
-        __m128 d, dmin;
-        q4k_d_dmin4(row, row_bytes, b, d, dmin);
-        for (int t = 0; t < 4; ++t) {
-            const BlockQ4K& blk = ((const BlockQ4K*)(row + t * row_bytes))[b];
-            pf.fetch(t, sizeof(BlockQ4K));
-            const Q4Scales sc = q4k_scales2(blk);
-            __m256i part[R][4];
-            q4k_dots<R, false>(blk, sc.sc, xq, part);
-            for (int r = 0; r < R; ++r) {
-                acc[r][t] = part[r][0];
-                mm[r][t] = _mm_madd_epi16(sc.mins, bs[r]);
-            }
-        }
-        for (int r = 0; r < R; ++r) {
-            const int64_t ab = (int64_t)(i0 + r) * a.nb + b;
-            epilogue_q4k(s[r], sn[r], d, dmin, _mm_set1_ps(a.d[ab]), hsum4(acc[r]), hsum4(mm[r]));
-        }
-        pf.next();
-    }
-    for (int r = 0; r < R; ++r) _mm_storeu_ps(y + (i0 + r) * ldy, _mm_sub_ps(s[r], sn[r]));
-}
-
 // q4k_scales on two blocks at once, one per 128-bit lane.
 inline __m256i q4k_scales_pair(__m256i h) {
     const __m256i x = _mm256_srlv_epi32(_mm256_shuffle_epi32(h, 0xED), _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4));
@@ -378,8 +339,8 @@ inline __m256i q4k_scales_pair(__m256i h) {
                            _mm256_and_si256(y, _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030, 0, 0x30303030, 0, 0x30303030)));
 }
 
-// Decode: one activation row against four weight rows, as dot_q4k_w4_rows<1> computes it (same
-// integer sums, same epilogue) in fewer instructions and loads, which bound it on AVX2 (one
+// Decode: one activation row against four weight rows, as vnni_k.h's dot_q4k_w4_rows<1> computes
+// it (same integer sums, same epilogue) in fewer instructions and loads, which bound it on AVX2 (one
 // thread, weights in L1, Zen 4: 21.6 -> 18.7 cycles a row's block; the compiler had regrouped
 // the sums and spilled the products, which the asm statements below forbid). Each 64
 // activation values are loaded once for the four rows; the sub-block scales reach vpmaddwd as

@@ -306,11 +306,15 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             }
             return;
         }
-        // A one-token draft's verification (2 rows), and on AVX-512 a two-token one's (3 rows): as
-        // decode, four weight rows at a time. Measured on Zen 4 with the weights in cache,
-        // 8960x1536, AVX-512: 3 rows 340-347 -> 298-317 us; at 4 rows the registers spill and the
-        // per-row kernels are faster (388 against 451 us); AVX2 at 3 rows no clear gain.
-        if (qtype == T_Q4_K && !prompt && a1 - a0 <= (SPK_AVX512 ? 3 : 2)) {
+#if SPK_AVX512
+        // A one- or two-token draft's verification (2-3 rows): as decode, four weight rows at a
+        // time. Measured on Zen 4 with the weights in cache, 8960x1536: 3 rows 340-347 -> 298-317
+        // us; at 4 rows the registers spill and the per-row kernels are faster (388 against 451
+        // us). AVX2 builds take the per-row kernels (below) from 2 rows: the ymm version of this
+        // kernel spilled there, and on a Zen 3 the 1.5B's matrices at 2 rows (from memory,
+        // libraries alternated in one process) took 91.3 ms with it against 76.3 without it
+        // (gate/up 49.7 -> 37.0 ms: 2 rows had cost more than 3).
+        if (qtype == T_Q4_K && !prompt && a1 - a0 <= 3) {
             const int R = (int)(a1 - a0);
             int64_t r = r0;
             for (; r + 4 <= r1; r += 4) {
@@ -320,6 +324,7 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             for (; r < r1; ++r) dot_tile(R, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
             return;
         }
+#endif
         for (int64_t i0 = a0; i0 < a1; i0 += NR_MAX) {
             const int nr = (int)std::min<int64_t>(NR_MAX, a1 - i0);
             for (int64_t r = r0; r < r1; ++r) {
