@@ -7,7 +7,7 @@ from conftest import DRAFT, GEMMA, TARGET, load_cached, model_path
 from speculant import SpeculantError
 from speculant.engine import Engine, EngineConfig
 from speculant.speculator import build_speculators
-from test_real_speculation import N_TOKENS, WORKLOADS, plain_tokens, prompt
+from test_real_speculation import N_TOKENS, WORKLOADS, generate_from_prompt_rows, plain_tokens, prompt
 
 pytestmark = pytest.mark.realmodel
 
@@ -23,8 +23,8 @@ def test_draft_model_reproduces_plain_decoding(spec_type, workload):
     model = load_cached(TARGET)
     # The adaptive controller off so every draft is verified in full (the hardest case for exactness).
     engine = Engine(model, EngineConfig(n_ctx=2048, draft_n_max=8, adaptive=False), speculators(model, spec_type))
-    got = list(engine.generate(prompt(workload), N_TOKENS))
-    assert got == plain_tokens(model, workload)
+    seq = generate_from_prompt_rows(engine, model, workload)
+    assert seq.tokens[seq.n_prompt:] == plain_tokens(model, workload)
     stats = engine.spec_stats["draft-simple"]
     assert stats.drafts > 0 and stats.accepted_at[0] > stats.drafts // 2  # the 0.5B mostly agrees with the 1.5B
 
