@@ -258,3 +258,86 @@ def test_real_chat_second_turn_equals_cold_start(params):
     assert seq.n_reused >= len(first)  # turn 1's prompt and (re-tokenized alike) its answer
     assert torch.equal(torch.cat(rec.logits), torch.cat(cold_rec.logits))
     assert warm == cold
+
+
+# --- adopt: a state saved elsewhere, with the hidden states speculators read ------------------------
+class HiddenLog:
+    """Asks the target for two layers' hidden states and keeps, by position, what `prefill` (full
+    prompt chunks) and `accept` (the rest: a prompt's last chunk rides with its first step) hand over."""
+
+    spec_type = "hidden-log"
+    hidden_layers = (1, 2)
+
+    def __init__(self):
+        self.begun, self.calls, self.at = 0, [], {}
+
+    @hookimpl
+    def begin(self, seq):
+        self.begun += 1
+
+    def _keep(self, hook, start, hidden):
+        rows = len(next(iter(hidden.values())))
+        self.calls.append((hook, start, rows))
+        for i in range(rows):
+            self.at[start + i] = {l: h[i].clone() for l, h in hidden.items()}
+
+    @hookimpl
+    def prefill(self, seq, start, hidden):
+        self._keep("prefill", start, hidden)
+
+    @hookimpl
+    def accept(self, seq, draft, n_accepted, hidden, hidden_start):
+        self._keep("accept", hidden_start, hidden)
+
+    @hookimpl
+    def propose(self, seq, limits):
+        return None
+
+    def rows(self, layer, n):
+        """Positions 0..n-1's hidden states of `layer`."""
+        return torch.stack([self.at[i][layer] for i in range(n)])
+
+
+def cold_prompt_state(model, prompt):
+    """A cold start's tokens, its target rows of prompt[:-1], and the prompt's hidden states as the
+    speculators were handed them."""
+    log = HiddenLog()
+    engine = Engine(model, EngineConfig(n_ctx=1024), [log])
+    tokens, seq = run(engine, prompt, 4)
+    n = len(prompt) - 1
+    state = {k: v[:, :n].clone() for k, v in engine.context.get_state(seq.seq_id).items()}
+    return tokens, state, {l: log.rows(l, len(prompt)) for l in log.hidden_layers}
+
+
+@pytest.mark.parametrize("n_prompt", [120, 700], ids=["one-chunk", "chunks"])
+def test_adopted_hidden_states_reach_the_speculators_as_a_cold_prefill(tiny, n_prompt):
+    prompt = toks(n_prompt, 21)
+    cold_tokens, state, hidden = cold_prompt_state(tiny, prompt)
+    log = HiddenLog()
+    engine = Engine(tiny, EngineConfig(n_ctx=1024), [log])
+    n = len(prompt) - 1
+    entry = engine.adopt(prompt[:-1], ((0, len(prompt)),), state, hidden={l: h[:n] for l, h in hidden.items()})
+    tokens, seq = run(engine, prompt, 4, cached=entry)
+    assert seq.n_reused == n and tokens == cold_tokens
+    # begin, the adopted rows' states from position 0, then the engine's own last prompt row
+    assert log.begun == 1 and log.calls[:2] == [("prefill", 0, n), ("accept", n, 1)]
+    for layer in log.hidden_layers:
+        assert torch.equal(log.rows(layer, len(prompt)), hidden[layer])
+
+
+def test_adopt_without_hidden_states_hands_the_speculators_none(tiny):
+    prompt = toks(80, 22)
+    _, state, _ = cold_prompt_state(tiny, prompt)
+    log = HiddenLog()
+    engine = Engine(tiny, EngineConfig(n_ctx=1024), [log])
+    entry = engine.adopt(prompt[:-1], ((0, len(prompt)),), state)
+    run(engine, prompt, 2, cached=entry)
+    assert log.calls[0] == ("accept", len(prompt) - 1, 1)  # only the row the engine computed itself
+
+
+def test_adopt_refuses_hidden_states_of_another_length(tiny):
+    prompt = toks(40, 23)
+    _, state, hidden = cold_prompt_state(tiny, prompt)
+    engine = Engine(tiny, EngineConfig(n_ctx=1024))
+    with pytest.raises(ValueError, match="hidden states of layer 1 hold 40 rows for 39 tokens"):
+        engine.adopt(prompt[:-1], ((0, len(prompt)),), state, hidden=hidden)

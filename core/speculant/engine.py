@@ -222,6 +222,9 @@ class CachedPrompt:
     checkpoints: list[tuple[int, Any]]
     n_bytes: int  # the target state's memory (what the server's --cache-ram limit counts)
     speculators_synced: bool = True  # False: the speculators hold nothing for it (a state loaded from a file)
+    # The target's hidden states of its rows, {layer: tensor of len(tokens) rows} (`Engine.adopt`):
+    # speculators on hidden states get them through `prefill` when a request continues from it.
+    hidden: dict[int, Any] | None = None
 
     def common_prefix(self, prompt: list[int]) -> int:
         """How many leading tokens of `prompt` this entry holds."""
@@ -347,7 +350,17 @@ class Engine:
             self._spec_call(seq, self.chain.truncate, seq.view(), n_reused)
         else:
             self._spec_call(seq, self.chain.begin, seq.view())
+            hidden = self._adopted_hidden(cached, n_reused)
+            if hidden:
+                self._spec_call(seq, self.chain.prefill, seq.view(), 0, hidden)
         return seq
+
+    def _adopted_hidden(self, cached: CachedPrompt, n: int) -> dict:
+        """The hidden states the speculators ask for, of an adopted entry's first n rows: what a
+        cold start's prefill would have handed them for those rows ({} where the entry has none)."""
+        if not cached.hidden or not self.chain.hidden_layers:
+            return {}
+        return {l: cached.hidden[l][:n] for l in self.chain.hidden_layers if l in cached.hidden}
 
     def _can_fork(self, parent: Sequence, prompt: list[int]) -> bool:
         # A speculator on hidden states (EAGLE3) gets the prompt's through `prefill`: a copy of the
@@ -425,11 +438,20 @@ class Engine:
             seq.saved = None
         return CachedPrompt(seq.seq_id, tuple(seq.tokens[: seq.n_cached]), seq.row_prompts, seq.checkpoints, self._nbytes(seq.seq_id))
 
-    def adopt(self, tokens: list[int], row_prompts: tuple[tuple[int, int], ...], state: dict) -> CachedPrompt:
+    def adopt(self, tokens: list[int], row_prompts: tuple[tuple[int, int], ...], state: dict,
+              hidden: dict[int, Any] | None = None) -> CachedPrompt:
         """An entry from a target state saved elsewhere (`context.get_state` of an entry with these
-        tokens and row_prompts, e.g. read back from a file). ValueError if it does not fit."""
+        tokens and row_prompts, e.g. read back from a file). ValueError if it does not fit.
+
+        `hidden`: the target's hidden states of the same rows, {layer: one row per token}, as
+        `Model.forward(hidden_layers=)` numbers and computes them. A speculator on hidden states
+        (EAGLE3, MTP, DFlash) gets nothing from a state alone and would not draft for the adopted
+        rows; with them it gets, through `prefill`, what a cold start's prefill hands it."""
         if self.recurrent or not hasattr(self.context, "set_state"):
             raise ValueError("this model's state cannot be loaded")
+        for layer, rows in (hidden or {}).items():
+            if len(rows) != len(tokens):
+                raise ValueError(f"hidden states of layer {layer} hold {len(rows)} rows for {len(tokens)} tokens")
         seq_id = self._new_id()
         try:
             n = self.context.set_state(seq_id, state)
@@ -438,7 +460,8 @@ class Engine:
         except Exception:
             self.context.drop(seq_id)
             raise
-        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id), speculators_synced=False)
+        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id), speculators_synced=False,
+                            hidden=dict(hidden) if hidden else None)
 
     def copy_cached(self, cached: CachedPrompt, n: int) -> CachedPrompt | None:
         """A new entry holding a copy of `cached`'s first n rows, `cached` untouched: a request that
