@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 import pytest
+import structlog
 import torch
 
 from speculant import hookimpl
@@ -331,8 +332,10 @@ def test_adopt_without_hidden_states_hands_the_speculators_none(tiny):
     log = HiddenLog()
     engine = Engine(tiny, EngineConfig(n_ctx=1024), [log])
     entry = engine.adopt(prompt[:-1], ((0, len(prompt)),), state)
-    run(engine, prompt, 2, cached=entry)
+    with structlog.testing.capture_logs() as logs:
+        run(engine, prompt, 2, cached=entry)
     assert log.calls[0] == ("accept", len(prompt) - 1, 1)  # only the row the engine computed itself
+    assert [e["layers"] for e in logs if e["event"] == "adopted_without_hidden_states"] == [[1, 2]]
 
 
 def test_adopt_refuses_hidden_states_of_another_length(tiny):

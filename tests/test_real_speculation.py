@@ -38,6 +38,15 @@ def plain_tokens(model, name):
     return _plain[name]
 
 
+def add_from_prompt_rows(engine, model, name):
+    """Start the workload's sequence in `engine` from plain decoding's rows of its prompt."""
+    plain_tokens(model, name)
+    p = prompt(name)
+    seq = engine.add(p, N_TOKENS, cached=engine.adopt(p[:-1], ((0, len(p)),), _prompt_rows[name]))
+    assert seq.n_reused == len(p) - 1
+    return seq
+
+
 def generate_from_prompt_rows(engine, model, name):
     """What `engine` generates for the workload, starting from plain decoding's rows of its prompt
     (the prompt cache's `adopt`, then `add(..., cached=)`) instead of prefilling it again. Those
@@ -45,11 +54,7 @@ def generate_from_prompt_rows(engine, model, name):
     speculators still `begin` on the whole prompt; what is skipped is the prefill of up to 1280
     tokens, which was most of each of these tests' time on a slow CPU (CI's budget). The last
     prompt token's row, and everything after it, is computed by the engine under test."""
-    plain_tokens(model, name)
-    p = prompt(name)
-    entry = engine.adopt(p[:-1], ((0, len(p)),), _prompt_rows[name])
-    seq = engine.add(p, N_TOKENS, cached=entry)
-    assert seq.n_reused == len(p) - 1
+    seq = add_from_prompt_rows(engine, model, name)
     while seq.finish_reason is None:
         engine.step()
     engine.release(seq)

@@ -18,10 +18,13 @@ from speculant.adaptive import DraftLengthController
 from speculant.chain import SpeculatorChain
 from speculant.constraint import Constraint
 from speculant.errors import LimitError
+from speculant.logs import get_logger
 from speculant.model import Model
 from speculant.sampling import Sampler, SamplingParams, token_logprobs
 from speculant.types import Batch, Draft, DraftLimits, DraftRequest, SequenceView, TokenLogprob
 from speculant.verify import verify
+
+log = get_logger(__name__)
 
 # The spec type of drafts made of the tokens a sequence's constraint forces (the grammar drafter).
 GRAMMAR_SPEC_TYPE = "grammar"
@@ -353,14 +356,17 @@ class Engine:
             hidden = self._adopted_hidden(cached, n_reused)
             if hidden:
                 self._spec_call(seq, self.chain.prefill, seq.view(), 0, hidden)
+            elif self.chain.hidden_layers:
+                log.warning("adopted_without_hidden_states", seq=seq_id, layers=list(self.chain.hidden_layers),
+                            effect="speculators on hidden states draft nothing for this sequence")
         return seq
 
     def _adopted_hidden(self, cached: CachedPrompt, n: int) -> dict:
         """The hidden states the speculators ask for, of an adopted entry's first n rows: what a
         cold start's prefill would have handed them for those rows ({} where the entry has none)."""
-        if not cached.hidden or not self.chain.hidden_layers:
+        if not cached.hidden or any(l not in cached.hidden for l in self.chain.hidden_layers):
             return {}
-        return {l: cached.hidden[l][:n] for l in self.chain.hidden_layers if l in cached.hidden}
+        return {l: cached.hidden[l][:n] for l in self.chain.hidden_layers}
 
     def _can_fork(self, parent: Sequence, prompt: list[int]) -> bool:
         # A speculator on hidden states (EAGLE3) gets the prompt's through `prefill`: a copy of the
