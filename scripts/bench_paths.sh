@@ -5,7 +5,8 @@
 # The peer: llama.cpp's AVX-512 build for the first two (ggml has no AMX path for these types in
 # that build) and its AVX2 build for the third. Each: plain decoding and the best speculative
 # configuration measured on code edits (ours: suffix,ngram-simple, 47 tokens, depth 64, with the
-# adaptive controller off as "best" and on, the default, as "adaptive"; llama.cpp: ngram-map-k).
+# adaptive controller off as "best" and on, the default, as "adaptive", and both again with the
+# MTP head after suffix; llama.cpp: ngram-map-k).
 # ROUNDS=N interleaves N rounds (medians on a noisy box); ONLY=workload limits the workloads
 # (default code-edit-bisect).
 #
@@ -32,6 +33,14 @@ LS2=${LLAMA_SERVER_AVX2:-}
 # 4-8% faster than 48 on the development workloads; on a Zen 3's AVX2 path no difference showed:
 # docs/benchmarks.md, "Sixteenth run").
 SPEC="--spec-type suffix,ngram-simple --spec-draft-n-max 47 --spec-suffix-max-depth 64"
+# The same with the shipped MTP head after suffix instead of ngram-simple ("best-mtp", "adaptive-mtp"):
+# where suffix finds nothing to copy the head drafts (until its token's probability falls below
+# 0.5) where ngram-simple's guesses were mostly rejected (docs/benchmarks.md, "Eighteenth run").
+# Run where the head is in heads/ (MTP=0 leaves them out).
+MTP_HEAD=heads/mtp-qwen2.5-coder-1.5b-instruct.gguf
+SPEC_MTP="--spec-type suffix,mtp -md $MTP_HEAD --spec-draft-n-max 47 --spec-suffix-max-depth 64 --spec-draft-p-min 0.5"
+configs=("plain:" "best:$SPEC --no-spec-adaptive" "adaptive:$SPEC")
+[ "${MTP:-1}" != 0 ] && [ -f $MTP_HEAD ] && configs+=("best-mtp:$SPEC_MTP --no-spec-adaptive" "adaptive-mtp:$SPEC_MTP")
 
 paths=()
 grep -qw amx_tile /proc/cpuinfo && paths+=("amx:")
@@ -52,7 +61,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
   done
   for p in "${paths[@]}"; do
     path=${p%%:*}; envs=${p#*:}
-    for cfg in "plain:" "best:$SPEC --no-spec-adaptive" "adaptive:$SPEC"; do
+    for cfg in "${configs[@]}"; do
       name=${cfg%%:*}; flags=${cfg#*:}
       echo "== round $round: speculant $path $name"
       $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8090 --label ours-$path-$name -- \
