@@ -263,13 +263,13 @@ def test_real_chat_second_turn_equals_cold_start(params):
 
 # --- adopt: a state saved elsewhere, with the hidden states speculators read ------------------------
 class HiddenLog:
-    """Asks the target for two layers' hidden states and keeps, by position, what `prefill` (full
+    """Asks the target for some layers' hidden states (two by default) and keeps, by position, what `prefill` (full
     prompt chunks) and `accept` (the rest: a prompt's last chunk rides with its first step) hand over."""
 
     spec_type = "hidden-log"
-    hidden_layers = (1, 2)
 
-    def __init__(self):
+    def __init__(self, layers=(1, 2)):
+        self.hidden_layers = tuple(layers)
         self.begun, self.calls, self.at = 0, [], {}
 
     @hookimpl

@@ -7,7 +7,8 @@ from conftest import DRAFT, GEMMA, TARGET, load_cached, model_path
 from speculant import SpeculantError
 from speculant.engine import Engine, EngineConfig
 from speculant.speculator import build_speculators
-from test_real_speculation import N_TOKENS, WORKLOADS, add_from_prompt_rows, generate_from_prompt_rows, plain_tokens, prompt
+from test_real_speculation import (N_TOKENS, PREFILLED, WORKLOADS, add_from_prompt_rows, generate_from_prompt_rows,
+                                  plain_tokens, prompt)
 
 pytestmark = pytest.mark.realmodel
 
@@ -32,8 +33,7 @@ def test_draft_model_reproduces_plain_decoding(spec_type, workload):
 def test_draft_model_all_workloads_together():
     model = load_cached(TARGET)
     engine = Engine(model, EngineConfig(n_ctx=2048, draft_n_max=4, adaptive=False), speculators(model, "draft-simple"))
-    # The long prompts from plain decoding's rows; free-quicksort-c's (50 tokens) goes in while they decode.
-    seqs = [engine.add(prompt(w), N_TOKENS) if w == "free-quicksort-c" else add_from_prompt_rows(engine, model, w) for w in WORKLOADS]
+    seqs = [engine.add(prompt(w), N_TOKENS) if w == PREFILLED else add_from_prompt_rows(engine, model, w) for w in WORKLOADS]
     while engine.active():
         engine.step()
     for w, seq in zip(WORKLOADS, seqs):

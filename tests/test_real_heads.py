@@ -3,20 +3,19 @@ DFlash): plain decoding's tokens at temperature 0 on the public workloads (the f
 each), alone, chained after suffix, and for all workloads decoded together; each head drafts
 tokens the target accepts. A head not in heads/ skips its cases with the reason.
 
-Most cases start from a prompt state computed once per workload (`Engine.adopt` with the target's
-rows and hidden states of the prompt, as a cold start's prefill computes and hands them out)
-instead of prefilling up to 1280 tokens each; the free-quicksort-c prompt is prefilled by the
+Most cases start from a prompt state (`Engine.adopt` with plain decoding's rows of the prompt and
+its hidden states, computed once per workload, as a cold start's prefill computes and hands them
+out) instead of prefilling up to 1280 tokens each; the free-quicksort-c prompt is prefilled by the
 engine under test in every case, so the prefill path stays covered."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import TARGET, load_cached
-from speculant import hookimpl
 from speculant.engine import Engine, EngineConfig
 from speculant.speculator import build_speculators
-from test_real_speculation import N_TOKENS, WORKLOADS, plain_tokens, prompt
+from test_prompt_cache import HiddenLog
+from test_real_speculation import N_TOKENS, PREFILLED, WORKLOADS, add_from_prompt_rows, plain_tokens, prompt
 
 pytestmark = pytest.mark.realmodel
 
@@ -28,9 +27,6 @@ HEAD_FILES = {
 }
 
 
-PREFILLED = "free-quicksort-c"  # 50 tokens: the one workload whose prompt each case prefills
-
-
 def speculators(model, spec_type):
     head = HEAD_FILES[spec_type.split(",")[-1]]
     if not head.exists():
@@ -38,64 +34,30 @@ def speculators(model, spec_type):
     return build_speculators(spec_type.split(","), {}, target=model, draft_model=str(head))
 
 
-class _HiddenRecorder:
-    """Asks the target for `layers` and keeps, by position, the prompt's hidden states that
-    `prefill` and `accept` hand out (a prompt's last chunk rides with its first decode step)."""
-
-    spec_type = "hidden-recorder"
-
-    def __init__(self, layers):
-        self.hidden_layers, self.at = tuple(layers), {}
-
-    def _keep(self, start, hidden):
-        for l, h in hidden.items():
-            for i in range(len(h)):
-                self.at.setdefault(start + i, {})[l] = h[i].clone()
-
-    @hookimpl
-    def prefill(self, seq, start, hidden):
-        self._keep(start, hidden)
-
-    @hookimpl
-    def accept(self, seq, draft, n_accepted, hidden, hidden_start):
-        self._keep(hidden_start, hidden)
-
-    @hookimpl
-    def propose(self, seq, limits):
-        return None
+_prompt_hidden: dict = {}  # workload -> the hidden states of its prompt but the last token
 
 
-_prompt_states: dict = {}  # workload -> (target rows of its prompt but the last token, their hidden states)
-
-
-def prompt_state(model, name):
-    """The target's rows and the heads' hidden states (every layer any shipped head taps) of the
-    workload's prompt but its last token, from one cold prefill a session."""
-    if name not in _prompt_states:
+def prompt_hidden(model, name):
+    """The hidden states of every layer any shipped head taps, of the workload's prompt but its
+    last token, as a cold start's prefill hands them out (once a session)."""
+    if name not in _prompt_hidden:
         layers = sorted({l for h in HEAD_FILES if HEAD_FILES[h].exists() for l in speculators(model, h)[-1].hidden_layers})
-        recorder = _HiddenRecorder(layers)
-        engine = Engine(model, EngineConfig(n_ctx=2048), [recorder])
-        p = prompt(name)
-        seq = engine.add(p, 1)
+        log = HiddenLog(layers)
+        engine = Engine(model, EngineConfig(n_ctx=2048), [log])
+        seq = engine.add(prompt(name), 1)
         while seq.finish_reason is None:
             engine.step()
-        n = len(p) - 1
-        state = {k: v[:, :n].clone() for k, v in engine.context.get_state(seq.seq_id).items()}
-        hidden = {l: torch.stack([recorder.at[i][l] for i in range(n)]) for l in layers}
         engine.release(seq)
-        _prompt_states[name] = state, hidden
-    return _prompt_states[name]
+        _prompt_hidden[name] = {l: log.rows(l, seq.n_prompt - 1) for l in layers}
+    return _prompt_hidden[name]
 
 
 def add_workload(engine, model, name):
-    """Start the workload's sequence: from its prompt state (`adopt`), or cold for PREFILLED."""
-    p = prompt(name)
+    """Start the workload's sequence: from plain decoding's prompt rows and the prompt's hidden
+    states (`adopt`), or cold for PREFILLED."""
     if name == PREFILLED:
-        return engine.add(p, N_TOKENS)
-    state, hidden = prompt_state(model, name)
-    seq = engine.add(p, N_TOKENS, cached=engine.adopt(p[:-1], ((0, len(p)),), state, hidden))
-    assert seq.n_reused == len(p) - 1
-    return seq
+        return engine.add(prompt(name), N_TOKENS)
+    return add_from_prompt_rows(engine, model, name, prompt_hidden(model, name))
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)

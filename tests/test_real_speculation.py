@@ -38,11 +38,17 @@ def plain_tokens(model, name):
     return _plain[name]
 
 
-def add_from_prompt_rows(engine, model, name):
-    """Start the workload's sequence in `engine` from plain decoding's rows of its prompt."""
+# The workload whose prompt the tests that decode several workloads together prefill (50 tokens),
+# while the others start from their prompt rows and decode: the prefill path stays covered.
+PREFILLED = "free-quicksort-c"
+
+
+def add_from_prompt_rows(engine, model, name, hidden=None):
+    """Start the workload's sequence in `engine` from plain decoding's rows of its prompt (and,
+    for speculators on hidden states, `hidden`: the prompt's, as `Engine.adopt` takes them)."""
     plain_tokens(model, name)
     p = prompt(name)
-    seq = engine.add(p, N_TOKENS, cached=engine.adopt(p[:-1], ((0, len(p)),), _prompt_rows[name]))
+    seq = engine.add(p, N_TOKENS, cached=engine.adopt(p[:-1], ((0, len(p)),), _prompt_rows[name], hidden))
     assert seq.n_reused == len(p) - 1
     return seq
 
