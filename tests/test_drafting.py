@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculant.drafting import DraftChain, PositionStates, committed_rows, pick_token
+from speculant.context import KVCache
+from speculant.drafting import (TRAINING_KEY, DraftChain, PositionStates, committed_rows, pick_token, skip_unread_rows,
+                                trained_window)
 from speculant.types import Draft, DraftLimits, SequenceView
 
 
@@ -63,3 +65,20 @@ def test_pick_token_maps_columns_and_returns_the_sampled_distribution():
     assert probs[[0, 1, 3, 4, 5, 6, 8]].abs().sum() == 0 and float(probs[token]) == pytest.approx(p)
     token, _, probs = pick_token(torch.tensor([0.0, 1.0, 9.0, 9.5]), 0.0, None, None, 3)  # padded head rows never picked
     assert token == 2
+
+
+@pytest.mark.parametrize("raw, window", [('{"window": 256, "steps": 10}', 256), ('{"steps": 10}', 0), (None, 0),
+                                         ("not json", 0), ('[1, 2]', 0), ('{"window": -5}', 0)])
+def test_trained_window_reads_what_speculant_train_records(raw, window):
+    assert trained_window({} if raw is None else {TRAINING_KEY: raw}) == window
+
+
+def test_skip_unread_rows_moves_the_cache_up_without_writing():
+    cache = KVCache(1, 2, 8, 1024, dtype=torch.float16)
+    cache.reserve(0, 10)
+    cache.write(0, 0, 0, torch.ones(2, 10, 8, dtype=torch.float16), torch.ones(2, 10, 8, dtype=torch.float16))
+    cache.commit(0, 10)
+    assert skip_unread_rows(cache, 0, 5) == 10  # rows already there are kept
+    assert skip_unread_rows(cache, 0, 300) == 300 and cache.length(0) == 300
+    k, _ = cache.buffers(0, 0)
+    assert bool((k[:, :10] == 1).all()) and bool((k[:, 10:300] == 0).all())  # nothing written past the old rows

@@ -3,6 +3,7 @@ trainer's module (training-time test included), drafting kept in step with the t
 rejections and prompt chunks, and exactness alone, in chains and for concurrent sequences."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import attrs
@@ -163,6 +164,50 @@ def test_a_long_prompt_is_written_into_the_head_in_pieces(tiny):
     _, (out,) = run(tiny.target, [prompt], 12, [spec])
     assert max(sizes) <= CATCH_UP_ROWS and sum(1 for n in sizes if n == CATCH_UP_ROWS) >= 5
     assert out == run(tiny.target, [prompt], 12)[1][0]
+
+
+def test_a_head_trained_on_windows_attends_over_its_window_and_skips_older_rows(tiny, tmp_path):
+    """A head that records a training window of 64 attends over its last 64 rows (its drafts
+    differ from attending over all 600), computes only the rows those windows read (the drafts
+    are the same as with every prompt row written), and the output stays plain decoding's;
+    --spec-eagle3-window overrides the file."""
+    import speculant_eagle3.speculator as module
+
+    head_path, _, _ = write_random_head(tmp_path / "head-windowed.gguf", tiny.target_path, n_draft_vocab=N_DRAFT,
+                                        extra={"speculant.training": json.dumps({"window": 64, "steps": 1})})
+    prompt = prompts(1, 600, seed=6)[0]
+    plain = run(tiny.target, [prompt], 24)[1][0]
+
+    def windowed_run(skip=True, **options):
+        spec = build_speculators(["eagle3"], {"seed": 3, **options}, target=tiny.target, draft_model=head_path)[0]
+        rows, seen = [], []
+        decode, propose = spec.head.decode, spec.propose_batch
+        spec.head.decode = lambda batch, *a, **k: rows.append(len(batch)) or decode(batch, *a, **k)
+
+        def spy(requests):
+            out = propose(requests)
+            seen.extend(d.tokens for d in out if d is not None)
+            return out
+        spy.speculant_impl = propose.speculant_impl
+        spec.propose_batch = spy
+        saved = module.skip_unread_rows
+        if not skip:
+            module.skip_unread_rows = lambda context, seq_id, first_read: context.length(seq_id)
+        try:
+            _, (out,) = run(tiny.target, [prompt], 24, [spec])
+        finally:
+            module.skip_unread_rows = saved
+            spec.head.decode = decode  # the head is loaded once per process
+        return spec, seen, sum(rows), out
+
+    spec, drafts, rows, out = windowed_run()
+    assert spec.window == 64 and out == plain and len(drafts) >= 3
+    _, drafts_all_rows, rows_all, out_all = windowed_run(skip=False)
+    assert drafts_all_rows == drafts and out_all == plain
+    assert rows_all - rows >= 600 - 64 - 2  # the prompt's rows before its window were not computed
+    spec, drafts_full, _, out_full = windowed_run(spec_eagle3_window=0)
+    assert spec.window == 0 and out_full == plain and drafts_full != drafts
+    assert make(tiny)[0].window == 0  # a file that records no window: the whole context
 
 
 def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):

@@ -287,6 +287,52 @@ def test_drafts_equal_a_fresh_computation(tiny, which):
     assert checked
 
 
+def _windowed_run(target, draft, prompt, skip=True, **options):
+    """(drafts, head rows computed, output) of one greedy run with the MTP speculator; `skip`
+    False: every prompt row written, as without a window."""
+    import speculant_mtp.speculator as module
+
+    spec = make(target, draft, **options)[0]
+    rows, seen = [], []
+    decode, propose = spec.head.decode, spec.propose_batch
+    spec.head.decode = lambda batch, *a, **k: rows.append(len(batch)) or decode(batch, *a, **k)
+
+    def spy(requests):
+        out = propose(requests)
+        seen.extend(d.tokens for d in out if d is not None)
+        return out
+    spy.speculant_impl = propose.speculant_impl
+    spec.propose_batch = spy
+    saved = module.skip_unread_rows
+    if not skip:
+        module.skip_unread_rows = lambda context, seq_id, first_read: context.length(seq_id)
+    try:
+        _, (out,) = run(target, [prompt], 24, [spec])
+    finally:
+        module.skip_unread_rows = saved
+        spec.head.decode = decode  # the head is loaded once per process
+    return spec, seen, sum(rows), out
+
+
+def test_a_head_trained_on_windows_attends_over_its_window_and_skips_older_rows(tiny, tmp_path):
+    """A sidecar that records a training window of 64 attends over its last 64 rows (its drafts
+    differ from attending over all 600), computes only the rows those windows read (the drafts
+    are the same as with every prompt row written), and the output stays plain decoding's;
+    --spec-mtp-window overrides the file."""
+    windowed, _ = write_random_sidecar(tmp_path / "mtp-windowed.gguf", tiny.q2_path, seed=1, n_ff=96,
+                                       extra={"speculant.training": json.dumps({"window": 64, "steps": 1})})
+    prompt = prompts(1, 600, seed=6)[0]
+    plain = run(tiny.q2, [prompt], 24)[1][0]
+    spec, drafts, rows, out = _windowed_run(tiny.q2, windowed, prompt)
+    assert spec.window == 64 and out == plain and len(drafts) >= 3
+    _, drafts_all_rows, rows_all, out_all = _windowed_run(tiny.q2, windowed, prompt, skip=False)
+    assert drafts_all_rows == drafts and out_all == plain
+    assert rows_all - rows >= 600 - 64 - 1  # the prompt's rows before its window were not computed
+    spec, drafts_full, _, out_full = _windowed_run(tiny.q2, windowed, prompt, spec_mtp_window=0)
+    assert spec.window == 0 and out_full == plain and drafts_full != drafts
+    assert make(tiny.q2, tiny.sidecar)[0].window == 0  # a file that records no window: the whole context
+
+
 def test_a_long_prompt_is_written_into_the_head_in_pieces(tiny):
     from speculant_mtp.speculator import CATCH_UP_ROWS
 

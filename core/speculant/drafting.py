@@ -9,15 +9,24 @@ history that happened), and writes rows of its own KV cache from them lazily, at
 proposal. ``written`` tracks how far those KV rows are still right, given the rule the head
 builds row q by: from the state of position q + ``state_offset`` and, for heads that also read a
 token, the token at q + ``token_offset``.
+
+A head trained on windows of W positions (``speculant train``'s ``--window``, recorded in the
+file: :func:`trained_window`) attends over its last W rows only; its rows further back are then
+never read, and a long prompt's catch-up writes its last W rows alone (:func:`skip_unread_rows`).
 """
 from __future__ import annotations
+
+import json
 
 import attrs
 import torch
 
 from speculant.types import Draft, DraftLimits, SequenceView
 
-__all__ = ["DraftChain", "PositionStates", "committed_rows", "draft_generator", "pick_token"]
+__all__ = ["DraftChain", "PositionStates", "committed_rows", "draft_generator", "pick_token", "skip_unread_rows",
+           "trained_window"]
+
+TRAINING_KEY = "speculant.training"  # what `speculant train` records about a head's training (JSON)
 
 
 @attrs.define
@@ -79,6 +88,31 @@ def committed_rows(seq: SequenceView, draft: Draft | None, n_accepted: int, hidd
     rows = len(next(iter(hidden.values()))) if hidden else 0
     n_pending = rows - (len(draft) if draft is not None else 0)
     return max(0, min(n_pending + n_accepted, len(seq.tokens) - hidden_start))
+
+
+def trained_window(metadata: dict) -> int:
+    """The most positions a head attended over in training (the `window` `speculant train`
+    records under TRAINING_KEY), or 0 where the file does not say (a head from elsewhere:
+    attend over the whole context, as llama.cpp does)."""
+    raw = metadata.get(TRAINING_KEY)
+    try:
+        window = int(json.loads(raw).get("window", 0)) if raw else 0
+    except (TypeError, ValueError, AttributeError):
+        return 0
+    return max(0, window)
+
+
+def skip_unread_rows(context, seq_id: int, first_read: int) -> int:
+    """Where a head's catch-up starts for a sequence whose first row to compute reads keys from
+    position `first_read` on (a windowed head's: the row at p reads p - window + 1 .. p): rows
+    below it are never read, so the cache is moved up to it without computing them (they hold
+    zeros or stale rows, outside every later row's window). Returns the cache's length."""
+    start = context.length(seq_id)
+    if first_read > start:
+        context.reserve(seq_id, first_read)
+        context.commit(seq_id, first_read)
+        start = first_read
+    return start
 
 
 def draft_generator(seed: int, seq: SequenceView) -> torch.Generator | None:

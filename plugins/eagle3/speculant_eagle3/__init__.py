@@ -7,6 +7,7 @@ head in llama.cpp's ``eagle3`` GGUF layout; alone or in a chain (``suffix,eagle3
 from __future__ import annotations
 
 from speculant import hookimpl
+from speculant.options import int_in
 
 from speculant_eagle3.head import Eagle3Head
 from speculant_eagle3.layout import ARCH, HeadConfig, default_target_layers, read_config, write_head
@@ -34,6 +35,13 @@ def speculant_register_speculators(register):
 @hookimpl
 def speculant_register_architectures(register):
     register(ARCH, lambda gguf, backend, progress: Eagle3Head.load(gguf, backend, progress))
+
+
+@hookimpl
+def speculant_add_options(parser):
+    parser.add_argument("--spec-eagle3-window", type=int_in(0), default=None, metavar="N",
+                        help="eagle3: the head attends over its last N positions (0: all of them); default: the window "
+                             "it was trained on where the file records one (speculant train writes it), else all")
 
 
 @hookimpl

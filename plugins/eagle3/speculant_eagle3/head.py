@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from speculant import Batch, KVCache, ModelFileError, ModelInfo, SpeculantError, backend_kernel
+from speculant.drafting import trained_window
 
 from speculant_eagle3.layout import ARCH, LAYER_TENSORS, HeadConfig, expected_shapes, read_config
 from speculant_eagle3.kernels import apply_rope, rms_norm, rope_tables, silu_times
@@ -30,6 +31,7 @@ class Eagle3Head:
 
     def __init__(self, config: HeadConfig, info: ModelInfo, backend, parts: dict, d2t: torch.Tensor | None):
         self.config, self.info, self.backend, self.parts, self.d2t = config, info, backend, parts, d2t
+        self.trained_window = 0  # the positions it attended over in training (0: not recorded)
         self.norm = backend_kernel(backend, "rms_norm", rms_norm)
         self.rope = backend_kernel(backend, "rope_tables", rope_tables)
         self.rotate = backend_kernel(backend, "apply_rope", apply_rope)
@@ -78,7 +80,9 @@ class Eagle3Head:
                 raise ModelFileError(f"{gguf.path}: 'd2t' must hold distinct target ids")
         info = ModelInfo(path=gguf.path, architecture=ARCH, n_vocab=cfg.n_target_vocab, n_embd=cfg.n_embd, n_layers=1,
                          n_ctx_train=cfg.n_ctx, file_bytes=os.path.getsize(gguf.path))
-        return cls(cfg, info, backend, parts, d2t)
+        head = cls(cfg, info, backend, parts, d2t)
+        head.trained_window = trained_window(gguf.metadata)
+        return head
 
     # --- the Model protocol, as far as it applies ---------------------------------------------
     def new_context(self, max_tokens: int) -> KVCache:
@@ -97,8 +101,10 @@ class Eagle3Head:
         return self.parts["fc"](x)
 
     @torch.inference_mode()
-    def decode(self, batch: Batch, cache: KVCache, g: torch.Tensor, embed, output=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows (token, g) at the batch's positions, appended to `cache`. `embed`: token ids ->
+    def decode(self, batch: Batch, cache: KVCache, g: torch.Tensor, embed, output=None,
+               window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (token, g) at the batch's positions, appended to `cache`; with `window`, a row
+        attends over the last `window` rows only. `embed`: token ids ->
         [rows, n_embd] (the target's, unless the head has its own); `output`: the target's lm_head
         for a head without one. Returns (logits of the rows that want them, over the draft
         vocabulary; the pre-norm state of every row)."""
@@ -122,7 +128,7 @@ class Eagle3Head:
             cache.reserve(seq_id, batch.positions[hi - 1] + 1)
             kc, vc = cache.write(0, seq_id, batch.positions[lo], k[lo:hi].transpose(0, 1).to(cache.dtype),
                                  v[lo:hi].transpose(0, 1).to(cache.dtype))
-            attn[lo:hi] = self.backend.attention(q[lo:hi].contiguous(), kc, vc, positions[lo:hi], c.head_dim ** -0.5)
+            attn[lo:hi] = self.backend.attention(q[lo:hi].contiguous(), kc, vc, positions[lo:hi], c.head_dim ** -0.5, window)
         for seq_id, _, hi in groups:
             cache.commit(seq_id, batch.positions[hi - 1] + 1)
         x = (gn if c.norm_before_residual else g) + p["attn_output"](attn.reshape(rows, c.n_head * c.head_dim))

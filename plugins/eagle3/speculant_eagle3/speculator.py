@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model_once
-from speculant.drafting import DraftChain, PositionStates, committed_rows, draft_generator, pick_token
+from speculant.drafting import DraftChain, PositionStates, committed_rows, draft_generator, pick_token, skip_unread_rows
 from speculant.speculator import SpeculatorConfig
 
 from speculant_eagle3.head import Eagle3Head
@@ -88,6 +88,8 @@ class Eagle3:
         if d2t is not None and int(d2t.max()) >= self.n_vocab:
             raise SpeculantError(f"EAGLE3 head {config.draft_model} maps draft ids to target id {int(d2t.max())}, beyond the target's vocabulary")
         self.d2t = d2t
+        window = config.option("spec_eagle3_window", None)
+        self.window = self.head.trained_window if window is None else int(window)
         self.seed = int(config.option("seed", 0) or 0)
         self.seqs: dict[int, PositionStates] = {}
 
@@ -153,11 +155,13 @@ class Eagle3:
             # Cut the draft rows of the last proposal; row n-2 is computed again if need be, as
             # its logits give the first draft token.
             self.context.truncate(seq.seq_id, min(state.written, n - 2))
-            start = self.context.length(seq.seq_id)
+            # Windowed, row n-2 reads rows from n - 1 - window on: a long prompt's earlier rows
+            # are never read, so they are not computed.
+            start = skip_unread_rows(self.context, seq.seq_id, n - 1 - self.window) if self.window else self.context.length(seq.seq_id)
             tokens = seq.tokens[start + 1 : n]
             while len(tokens) > CATCH_UP_ROWS:  # a prompt's rows, written ahead in pieces
                 self.head.decode(Batch.for_sequence(seq.seq_id, start, tokens[:CATCH_UP_ROWS], logits="none"), self.context,
-                                 state.rows(start, start + CATCH_UP_ROWS), self.embed, self.output)
+                                 state.rows(start, start + CATCH_UP_ROWS), self.embed, self.output, self.window)
                 start, tokens = start + CATCH_UP_ROWS, tokens[CATCH_UP_ROWS:]
             parts.append((Batch.for_sequence(seq.seq_id, start, tokens, logits="last"), state.rows(start, n - 1)))
             state.written = n - 1
@@ -166,7 +170,8 @@ class Eagle3:
         try:
             while active:
                 batch = Batch.concat([b for b, _ in parts])
-                logits, prenorm = self.head.decode(batch, self.context, torch.cat([g for _, g in parts]), self.embed, self.output)
+                logits, prenorm = self.head.decode(batch, self.context, torch.cat([g for _, g in parts]), self.embed, self.output,
+                                                   self.window)
                 ends = [sum(len(b) for b, _ in parts[: j + 1]) - 1 for j in range(len(parts))]
                 still, parts = [], []
                 for row, (a, end) in enumerate(zip(active, ends)):

@@ -47,13 +47,13 @@ def random_net(target_path: str, *, seed: int = 0, n_draft_vocab: int | None = N
 
 
 def write_random_head(path, target_path: str, *, seed: int = 0, n_draft_vocab: int | None = None,
-                      qtype: str = "F32", **kw) -> tuple[str, Eagle3Net, np.ndarray | None]:
+                      qtype: str = "F32", extra: dict[str, str] | None = None, **kw) -> tuple[str, Eagle3Net, np.ndarray | None]:
     """A random head for the target at `target_path`; with n_draft_vocab, d2t holds that many
-    distinct target ids. Returns (path, the net, d2t)."""
+    distinct target ids; `extra`: more metadata. Returns (path, the net, d2t)."""
     net = random_net(target_path, seed=seed, n_draft_vocab=n_draft_vocab, **kw)
     d2t = None
     if n_draft_vocab:
         rng = np.random.default_rng(seed)
         d2t = np.sort(rng.choice(net.cfg.n_target_vocab, n_draft_vocab, replace=False)).astype(np.int64)
-    write_head(str(path), net.cfg, net.gguf_weights(), target_path=target_path, d2t=d2t, qtype=qtype)
+    write_head(str(path), net.cfg, net.gguf_weights(), target_path=target_path, d2t=d2t, qtype=qtype, extra=extra)
     return str(path), net, d2t

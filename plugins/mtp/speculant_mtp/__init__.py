@@ -8,6 +8,7 @@ the block (``-md mtp-....gguf``, llama.cpp's layout); alone or in a chain (``suf
 from __future__ import annotations
 
 from speculant import hookimpl
+from speculant.options import int_in
 
 from speculant_mtp.head import MtpHead
 from speculant_mtp.layout import MtpConfig, has_nextn, read_config, split_sidecar, write_sidecar
@@ -37,6 +38,9 @@ def speculant_add_options(parser):
     parser.add_argument("--spec-mtp-full-vocab", action="store_true", default=None,
                         help="mtp: draft over the whole vocabulary even where the MTP file names a draft vocabulary "
                              "(speculant.mtp.draft_vocab, which speculant train mtp writes)")
+    parser.add_argument("--spec-mtp-window", type=int_in(0), default=None, metavar="N",
+                        help="mtp: the block attends over its last N positions (0: all of them); default: the window "
+                             "it was trained on where the file records one (speculant train writes it), else all")
 
 
 @hookimpl

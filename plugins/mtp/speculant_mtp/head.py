@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from speculant import Batch, KVCache, ModelFileError, SpeculantError, backend_kernel
+from speculant.drafting import trained_window
 from speculant.gguf import TensorInfo
 
 from speculant_mtp.kernels import apply_rope, rms_norm, rope_for, rope_tables, rotate_partial, silu_times
@@ -33,8 +34,9 @@ class MtpHead:
     """A loaded MTP block with what it borrows from its target."""
 
     def __init__(self, config: MtpConfig, path: str, backend, parts: dict, embed, head_norm, head, in_target: bool,
-                 vocab: torch.Tensor | None = None):
+                 vocab: torch.Tensor | None = None, trained_window: int = 0):
         self.config, self.path, self.backend, self.parts = config, path, backend, parts
+        self.trained_window = trained_window  # the positions it attended over in training (0: not recorded)
         self.embed, self.head_norm, self.head = embed, head_norm, head
         self.vocab = vocab  # the token id of each logit column, or None: the whole vocabulary
         self.in_target = in_target  # the block sits in the target's own file
@@ -125,7 +127,7 @@ class MtpHead:
             rows = np.ascontiguousarray(np.asarray(t.data)[vocab.numpy()])
             t = TensorInfo(t.name, t.qtype, (len(vocab),) + tuple(t.shape[1:]), rows)
         head = backend.linear(t) if t is not None else _borrow(target, "output", gguf.path)
-        return cls(cfg, gguf.path, backend, parts, embed, head_norm, head, in_target, vocab)
+        return cls(cfg, gguf.path, backend, parts, embed, head_norm, head, in_target, vocab, trained_window(gguf.metadata))
 
     def new_context(self, max_tokens: int) -> KVCache:
         c = self.config
@@ -137,11 +139,11 @@ class MtpHead:
         return self.file_bytes
 
     @torch.inference_mode()
-    def decode(self, batch: Batch, cache: KVCache, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, batch: Batch, cache: KVCache, h: torch.Tensor, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows (token, h) at the batch's positions, appended to `cache` (each sequence's rows must
-        continue its cache). Returns (logits of the rows that want them, over the target's
-        vocabulary or the head's draft vocabulary `vocab`; the output state of every row, the
-        next step's h)."""
+        continue its cache); with `window`, a row attends over the last `window` rows only.
+        Returns (logits of the rows that want them, over the target's vocabulary or the head's
+        draft vocabulary `vocab`; the output state of every row, the next step's h)."""
         c, p = self.config, self.parts
         rows, hd = len(batch), c.head_dim
         e = self.embed(torch.tensor(batch.tokens)).float()
@@ -169,7 +171,7 @@ class MtpHead:
             cache.reserve(seq_id, batch.positions[hi - 1] + 1)
             kc, vc = cache.write(0, seq_id, batch.positions[lo], k[lo:hi].transpose(0, 1).to(cache.dtype),
                                  v[lo:hi].transpose(0, 1).to(cache.dtype))
-            attn[lo:hi] = self.backend.attention(q[lo:hi].contiguous(), kc, vc, positions[lo:hi], hd ** -0.5)
+            attn[lo:hi] = self.backend.attention(q[lo:hi].contiguous(), kc, vc, positions[lo:hi], hd ** -0.5, window)
         for seq_id, _, hi in groups:
             cache.commit(seq_id, batch.positions[hi - 1] + 1)
         o = attn.reshape(rows, c.n_head * hd)

@@ -34,7 +34,7 @@ import threading
 import torch
 
 from speculant import Batch, Draft, DraftLimits, DraftRequest, ModelFileError, SequenceView, SpeculantError, hookimpl
-from speculant.drafting import DraftChain, PositionStates, committed_rows, draft_generator, pick_token
+from speculant.drafting import DraftChain, PositionStates, committed_rows, draft_generator, pick_token, skip_unread_rows
 from speculant.speculator import SpeculatorConfig
 
 from speculant_mtp.head import MtpHead
@@ -108,6 +108,8 @@ class Mtp:
         except ModelFileError as e:
             raise SpeculantError(str(e)) from None
         self.hidden_layers = (target.info.n_layers,)
+        window = config.option("spec_mtp_window", None)
+        self.window = self.head.trained_window if window is None else int(window)
         max_tokens = int(config.option("ctx_size", 0) or 0) or (1 << 20)
         self.context = self.head.new_context(max_tokens)
         self.n_vocab = target.info.n_vocab
@@ -172,11 +174,13 @@ class Mtp:
             # Cut the draft rows of the last proposal; row n-1 is computed again if need be, as
             # its logits give the first draft token.
             self.context.truncate(seq.seq_id, min(state.written, n - 1))
-            start = self.context.length(seq.seq_id)
+            # Windowed, row n-1 reads rows from n - window on: a long prompt's earlier rows are
+            # never read, so they are not computed (1000 prompt rows took 0.8 s on a Zen 3 core).
+            start = skip_unread_rows(self.context, seq.seq_id, n - self.window) if self.window else self.context.length(seq.seq_id)
             while n - start > CATCH_UP_ROWS:  # a prompt's rows, written ahead in pieces
                 end = start + CATCH_UP_ROWS
                 self.head.decode(Batch.for_sequence(seq.seq_id, start, seq.tokens[start:end], logits="none"), self.context,
-                                 state.rows(start, end))
+                                 state.rows(start, end), self.window)
                 start = end
             parts.append((Batch.for_sequence(seq.seq_id, start, seq.tokens[start:n], logits="last"), state.rows(start, n)))
             state.written = n
@@ -185,7 +189,7 @@ class Mtp:
         try:
             while active:
                 batch = Batch.concat([b for b, _ in parts])
-                logits, states = self.head.decode(batch, self.context, torch.cat([h for _, h in parts]))
+                logits, states = self.head.decode(batch, self.context, torch.cat([h for _, h in parts]), self.window)
                 ends = [sum(len(b) for b, _ in parts[: j + 1]) - 1 for j in range(len(parts))]
                 still, parts = [], []
                 for row, (a, end) in enumerate(zip(active, ends)):

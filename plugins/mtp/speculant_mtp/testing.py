@@ -65,9 +65,10 @@ def random_net(target_path: str, *, seed: int = 0, n_ff: int | None = None, **kw
 
 
 def write_random_sidecar(path, target_path: str, *, seed: int = 0, qtype: str = "F32", n_ff: int | None = None,
-                         shared: bool | None = None, draft_vocab=None) -> tuple[str, MtpNet]:
+                         shared: bool | None = None, draft_vocab=None, extra: dict[str, str] | None = None) -> tuple[str, MtpNet]:
     """A random MTP sidecar for the target at `target_path` (with `draft_vocab`, the token ids it
-    drafts from). Returns (path, the net)."""
+    drafts from; `extra`: more metadata). Returns (path, the net)."""
     net = random_net(target_path, seed=seed, n_ff=n_ff)
-    write_sidecar(str(path), target_path, net.gguf_weights(), qtype=qtype, shared=shared, draft_vocab=draft_vocab)
+    write_sidecar(str(path), target_path, net.gguf_weights(), qtype=qtype, shared=shared, draft_vocab=draft_vocab,
+                  extra=extra)
     return str(path), net
