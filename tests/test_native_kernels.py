@@ -133,6 +133,26 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
                 assert torch.equal(run_mode(raw, qtype, n, k, x[:m], mode), alone[:m]), f"mode {mode}, {m} rows"
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_0])
+def test_32_blocks_tiled_give_the_per_row_kernels_bits(qtype):
+    """Q5_0/Q4_0 calls of 8 rows or more decode each weight row once and take tiles (AVX2
+    builds; spk_set_b32_tiled_min_rows): the same bits as the per-row kernels, for weight rows
+    left over from the tiles of 3, activation rows left over from tiles of 4, and calls of more
+    than ACT_TILE rows."""
+    rng = np.random.default_rng(7)
+    n, k = 37, 320
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    x = (rng.standard_normal((130, k)) * 3).astype(np.float32)
+    old = lib.spk_set_b32_tiled_min_rows(0)
+    try:
+        per_row = {m: run(raw, qtype, n, k, x[:m]) for m in (8, 13, 64, 130)}
+        lib.spk_set_b32_tiled_min_rows(8)
+        for m, expected in per_row.items():
+            assert torch.equal(run(raw, qtype, n, k, x[:m]), expected), f"{m} rows"
+    finally:
+        lib.spk_set_b32_tiled_min_rows(old)
+
+
 def _path_threshold(setter):
     """Yield `setter` (a spk_set_*_min_rows), its old value restored afterwards."""
     old = setter(0)

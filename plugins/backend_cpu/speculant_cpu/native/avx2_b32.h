@@ -8,6 +8,9 @@
 #include "kernels.h"
 #include "unpack.h"
 
+#include <algorithm>
+#include <vector>
+
 namespace spk SPK_HIDDEN {
 namespace {  // internal to each file that includes it (see kernels.h)
 
@@ -92,6 +95,72 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
         pf.next();
     }
     for (int t = 0; t < 4; ++t) y[t] = out8(fs[t]);
+}
+
+// Many activation rows of Q5_0 or Q4_0 (a draft model's prompt, a head's catch-up, such a
+// target's prompt): the work item's weight rows decoded to signed bytes once (`q`, `dq`:
+// [nr][nb][32] and [nr][nb]), then tiles of NW weight rows by NX activation rows, each decoded
+// block's abs and each activation block's load shared by the tile. Per (weight row, activation
+// row) the same operations in the same order as dot_b32 (the sign trick, the block's eight int32
+// lanes, the scale d * dx as one float product, one FMA per lane, out8), so the bits are the
+// same; what changes is that dot_b32 decodes each weight block again for every 8 activation rows,
+// most of its time for these types (linear.cpp has the measurements).
+template <int NW, int NX>
+inline void b32_tile(const int8_t* q, const float* dq, int nb, const Act& a, int64_t i0, float* y, int64_t ldy) {
+    __m256 f[NW][NX];
+    for (int t = 0; t < NW; ++t)
+        for (int r = 0; r < NX; ++r) f[t][r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        __m256i x[NX];
+        float dx[NX];
+        for (int r = 0; r < NX; ++r) {
+            const int64_t ab = (i0 + r) * a.nb + b;
+            x[r] = _mm256_loadu_si256((const __m256i*)(a.qs.data() + ab * 32));
+            dx[r] = a.d[ab];
+        }
+        for (int t = 0; t < NW; ++t) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(q + ((int64_t)t * nb + b) * 32));
+            const __m256i aw = _mm256_abs_epi8(w);
+            const float d = dq[(int64_t)t * nb + b];
+            for (int r = 0; r < NX; ++r)
+                f[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(aw, _mm256_sign_epi8(x[r], w))), _mm256_set1_ps(d * dx[r]), f[t][r]);
+        }
+    }
+    for (int t = 0; t < NW; ++t)
+        for (int r = 0; r < NX; ++r) y[t + r * ldy] = out8(f[t][r]);
+}
+
+template <int NW>
+inline void b32_tile_rows(int nx, const int8_t* q, const float* dq, int nb, const Act& a, int64_t i0, float* y, int64_t ldy) {
+    switch (nx) {
+        case 4: b32_tile<NW, 4>(q, dq, nb, a, i0, y, ldy); break;
+        case 3: b32_tile<NW, 3>(q, dq, nb, a, i0, y, ldy); break;
+        case 2: b32_tile<NW, 2>(q, dq, nb, a, i0, y, ldy); break;
+        default: b32_tile<NW, 1>(q, dq, nb, a, i0, y, ldy); break;
+    }
+}
+
+// Weight rows [0, nr) of `rows` (row_bytes apart) against activation rows [a0, a1): y[i * ldy + r].
+template <class Block>
+void dot_b32_tiled(const uint8_t* rows, size_t row_bytes, int nr, int nb, const Act& a, int64_t a0, int64_t a1, float* y,
+                   int64_t ldy) {
+    thread_local std::vector<int8_t> q;
+    thread_local std::vector<float> dq;
+    q.resize((size_t)nr * nb * 32);
+    dq.resize((size_t)nr * nb);
+    for (int t = 0; t < nr; ++t) {
+        const Block* w = (const Block*)(rows + t * row_bytes);
+        for (int b = 0; b < nb; ++b) {
+            _mm256_storeu_si256((__m256i*)(q.data() + ((int64_t)t * nb + b) * 32), decode32(w[b]));
+            dq[(int64_t)t * nb + b] = f16(w[b].d);
+        }
+    }
+    for (int64_t i0 = a0; i0 < a1; i0 += 4) {
+        const int nx = (int)std::min<int64_t>(4, a1 - i0);
+        int t = 0;
+        for (; t + 3 <= nr; t += 3) b32_tile_rows<3>(nx, q.data() + (int64_t)t * nb * 32, dq.data() + (int64_t)t * nb, nb, a, i0, y + i0 * ldy + t, ldy);
+        for (; t < nr; ++t) b32_tile_rows<1>(nx, q.data() + (int64_t)t * nb * 32, dq.data() + (int64_t)t * nb, nb, a, i0, y + i0 * ldy + t, ldy);
+    }
 }
 
 }  // namespace

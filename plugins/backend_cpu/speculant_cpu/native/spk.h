@@ -53,6 +53,7 @@ int spk_amx_built();
 int spk_set_amx_min_rows(int rows);
 int spk_set_tiled_min_rows(int rows);
 int spk_set_tiled_tail_rows(int rows);
+int spk_set_b32_tiled_min_rows(int rows);
 int spk_last_path();
 
 // the screen of greedy rows' logits (screen.cpp)
