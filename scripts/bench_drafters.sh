@@ -24,15 +24,18 @@ ours=("plain:" "suffix:--spec-type suffix" "draft-simple:-md $D --spec-type draf
 [ -n "$E3" ] && ours+=("eagle3:-md $E3 --spec-type eagle3" "suffix,eagle3:-md $E3 --spec-type suffix,eagle3")
 [ -n "$MT" ] && ours+=("mtp:-md $MT --spec-type mtp" "suffix,mtp:-md $MT --spec-type suffix,mtp")
 [ -n "$DF" ] && ours+=("dflash:-md $DF --spec-type dflash" "suffix,dflash:-md $DF --spec-type suffix,dflash")
+wanted() { [ -z "${CONFIGS:-}" ] || [[ " $CONFIGS " == *" $1 "* ]]; }
+
 theirs=()
 if [ -n "$LS" ]; then
   theirs=("plain:-m $T" "ngram-map-k:-m $T --spec-type ngram-map-k" "draft-simple:-m $T -md $D --spec-type draft-simple")
-  if [ -n "$E3$DF" ] && [ ! -f "$TL" ]; then $PY scripts/qwen2_as_llama.py "$T" "$TL"; fi
   [ -n "$E3" ] && theirs+=("draft-eagle3:-m $TL -md $E3 --spec-type draft-eagle3")
   [ -n "$DF" ] && theirs+=("draft-dflash:-m $TL -md $DF --spec-type draft-dflash")
+  # the relabelled target (a 1 GB write), only where one of those two runs
+  if { { [ -n "$E3" ] && wanted llama-draft-eagle3; } || { [ -n "$DF" ] && wanted llama-draft-dflash; }; } && [ ! -f "$TL" ]; then
+    $PY scripts/qwen2_as_llama.py "$T" "$TL"
+  fi
 fi
-
-wanted() { [ -z "${CONFIGS:-}" ] || [[ " $CONFIGS " == *" $1 "* ]]; }
 
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for cfg in "${theirs[@]}"; do
