@@ -74,11 +74,15 @@ def test_trained_window_reads_what_speculant_train_records(raw, window):
 
 
 def test_skip_unread_rows_moves_the_cache_up_without_writing():
-    cache = KVCache(1, 2, 8, 1024, dtype=torch.float16)
+    cache, state = KVCache(1, 2, 8, 1024, dtype=torch.float16), PositionStates(4)
     cache.reserve(0, 10)
     cache.write(0, 0, 0, torch.ones(2, 10, 8, dtype=torch.float16), torch.ones(2, 10, 8, dtype=torch.float16))
     cache.commit(0, 10)
-    assert skip_unread_rows(cache, 0, 5) == 10  # rows already there are kept
-    assert skip_unread_rows(cache, 0, 300) == 300 and cache.length(0) == 300
+    assert skip_unread_rows(cache, 0, 5, state) == 10 and state.computed_from == 0  # rows already there are kept
+    assert skip_unread_rows(cache, 0, 300, state) == 300 and cache.length(0) == 300 and state.computed_from == 300
     k, _ = cache.buffers(0, 0)
     assert bool((k[:, :10] == 1).all()) and bool((k[:, 10:300] == 0).all())  # nothing written past the old rows
+    cache.commit(0, 340)  # rows 300..339 computed
+    assert skip_unread_rows(cache, 0, 320, state) == 340  # the window reads computed rows only
+    cache.truncate(0, 310)  # the history is cut back: a window from 200 reads rows the skip left out
+    assert skip_unread_rows(cache, 0, 200, state) == 200 and cache.length(0) == 200 and state.computed_from == 200

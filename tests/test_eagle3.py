@@ -192,7 +192,7 @@ def test_a_head_trained_on_windows_attends_over_its_window_and_skips_older_rows(
         spec.propose_batch = spy
         saved = module.skip_unread_rows
         if not skip:
-            module.skip_unread_rows = lambda context, seq_id, first_read: context.length(seq_id)
+            module.skip_unread_rows = lambda context, seq_id, first_read, state: context.length(seq_id)
         try:
             _, (out,) = run(tiny.target, [prompt], 24, [spec])
         finally:

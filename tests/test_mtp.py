@@ -305,7 +305,7 @@ def _windowed_run(target, draft, prompt, skip=True, **options):
     spec.propose_batch = spy
     saved = module.skip_unread_rows
     if not skip:
-        module.skip_unread_rows = lambda context, seq_id, first_read: context.length(seq_id)
+        module.skip_unread_rows = lambda context, seq_id, first_read, state: context.length(seq_id)
     try:
         _, (out,) = run(target, [prompt], 24, [spec])
     finally:
@@ -331,6 +331,45 @@ def test_a_head_trained_on_windows_attends_over_its_window_and_skips_older_rows(
     spec, drafts_full, _, out_full = _windowed_run(tiny.q2, windowed, prompt, spec_mtp_window=0)
     assert spec.window == 0 and out_full == plain and drafts_full != drafts
     assert make(tiny.q2, tiny.sidecar)[0].window == 0  # a file that records no window: the whole context
+
+
+def test_a_windowed_head_computes_skipped_rows_when_a_cached_prompt_reaches_back_to_them(tiny, tmp_path):
+    """A long prompt's catch-up skips the rows before its window; a later request that continues
+    from a shorter part of it (the prompt cache) reads some of those rows in its window: they are
+    computed then, and its drafts are a cold start's."""
+    windowed, _ = write_random_sidecar(tmp_path / "mtp-windowed.gguf", tiny.q2_path, seed=1, n_ff=96,
+                                       extra={"speculant.training": json.dumps({"window": 64})})
+    first = prompts(1, 600, seed=7)[0]
+    second = first[:300] + prompts(1, 20, seed=8)[0]  # its window (positions 256..) reaches below 300
+
+    def drafts_of_second(cached: bool):
+        spec = make(tiny.q2, windowed)[0]
+        seen = []
+        propose = spec.propose_batch
+
+        def spy(requests):
+            out = propose(requests)
+            seen.extend((len(r.seq.tokens), d.tokens) for r, d in zip(requests, out) if d is not None and list(r.seq.tokens[:320]) == second)
+            return out
+        spy.speculant_impl = propose.speculant_impl
+        spec.propose_batch = spy
+        engine = Engine(tiny.q2, EngineConfig(n_ctx=2048, draft_n_max=4, adaptive=False), [spec])
+        entry = None
+        if cached:
+            seq = engine.add(first, 8, SamplingParams())
+            while engine.active():
+                engine.step()
+            entry = engine.keep(seq)
+        seq = engine.add(second, 16, SamplingParams(), cached=entry)
+        assert seq.n_reused == (300 if cached else 0)  # the common prefix continues from the cache
+        while engine.active():
+            engine.step()
+        return seen, seq.tokens[seq.n_prompt:]
+
+    cold, cold_out = drafts_of_second(cached=False)
+    warm, warm_out = drafts_of_second(cached=True)
+    assert warm_out == cold_out and len(cold) >= 3
+    assert warm == cold
 
 
 def test_a_long_prompt_is_written_into_the_head_in_pieces(tiny):

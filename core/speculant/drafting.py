@@ -43,6 +43,9 @@ class PositionStates:
     data: torch.Tensor = attrs.field(default=None)
     n: int = 0
     written: int = 0
+    # Head rows below this were skipped, never computed (skip_unread_rows): a windowed head whose
+    # history is cut back far enough to read them computes them first.
+    computed_from: int = 0
 
     def __attrs_post_init__(self):
         if self.data is None:
@@ -102,16 +105,24 @@ def trained_window(metadata: dict) -> int:
     return max(0, window)
 
 
-def skip_unread_rows(context, seq_id: int, first_read: int) -> int:
+def skip_unread_rows(context, seq_id: int, first_read: int, state: PositionStates) -> int:
     """Where a head's catch-up starts for a sequence whose first row to compute reads keys from
     position `first_read` on (a windowed head's: the row at p reads p - window + 1 .. p): rows
     below it are never read, so the cache is moved up to it without computing them (they hold
-    zeros or stale rows, outside every later row's window). Returns the cache's length."""
+    zeros or stale rows, outside every later row's window; `state.computed_from` remembers where
+    the computed rows start). Rows this window reads that an earlier skip left uncomputed (the
+    history was cut back since) are computed again. Returns the cache's length."""
+    first_read = max(0, first_read)
     start = context.length(seq_id)
+    if state.computed_from > first_read and start > first_read:
+        context.truncate(seq_id, first_read)
+        start = first_read
     if first_read > start:
         context.reserve(seq_id, first_read)
         context.commit(seq_id, first_read)
         start = first_read
+    if start == first_read:
+        state.computed_from = first_read
     return start
 
 

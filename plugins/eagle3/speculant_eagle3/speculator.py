@@ -157,7 +157,8 @@ class Eagle3:
             self.context.truncate(seq.seq_id, min(state.written, n - 2))
             # Windowed, row n-2 reads rows from n - 1 - window on: a long prompt's earlier rows
             # are never read, so they are not computed.
-            start = skip_unread_rows(self.context, seq.seq_id, n - 1 - self.window) if self.window else self.context.length(seq.seq_id)
+            start = (skip_unread_rows(self.context, seq.seq_id, n - 1 - self.window, state) if self.window
+                     else self.context.length(seq.seq_id))
             tokens = seq.tokens[start + 1 : n]
             while len(tokens) > CATCH_UP_ROWS:  # a prompt's rows, written ahead in pieces
                 self.head.decode(Batch.for_sequence(seq.seq_id, start, tokens[:CATCH_UP_ROWS], logits="none"), self.context,
