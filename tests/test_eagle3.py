@@ -171,7 +171,7 @@ def test_a_head_trained_on_windows_attends_over_its_window_and_skips_older_rows(
     differ from attending over all 600), computes only the rows those windows read (the drafts
     are the same as with every prompt row written), and the output stays plain decoding's;
     --spec-eagle3-window overrides the file."""
-    import speculant_eagle3.speculator as module
+    from test_mtp import windowed_run as recorded_run
 
     head_path, _, _ = write_random_head(tmp_path / "head-windowed.gguf", tiny.target_path, n_draft_vocab=N_DRAFT,
                                         extra={"speculant.training": json.dumps({"window": 64, "steps": 1})})
@@ -180,25 +180,7 @@ def test_a_head_trained_on_windows_attends_over_its_window_and_skips_older_rows(
 
     def windowed_run(skip=True, **options):
         spec = build_speculators(["eagle3"], {"seed": 3, **options}, target=tiny.target, draft_model=head_path)[0]
-        rows, seen = [], []
-        decode, propose = spec.head.decode, spec.propose_batch
-        spec.head.decode = lambda batch, *a, **k: rows.append(len(batch)) or decode(batch, *a, **k)
-
-        def spy(requests):
-            out = propose(requests)
-            seen.extend(d.tokens for d in out if d is not None)
-            return out
-        spy.speculant_impl = propose.speculant_impl
-        spec.propose_batch = spy
-        saved = module.skip_unread_rows
-        if not skip:
-            module.skip_unread_rows = lambda context, seq_id, first_read, state: context.length(seq_id)
-        try:
-            _, (out,) = run(tiny.target, [prompt], 24, [spec])
-        finally:
-            module.skip_unread_rows = saved
-            spec.head.decode = decode  # the head is loaded once per process
-        return spec, seen, sum(rows), out
+        return (spec, *recorded_run(spec, lambda sp: run(tiny.target, [prompt], 24, [sp])[1][0], skip))
 
     spec, drafts, rows, out = windowed_run()
     assert spec.window == 64 and out == plain and len(drafts) >= 3

@@ -5,6 +5,7 @@ chunks, exactness alone, in chains and for concurrent sequences on a plain and a
 sampling from the target's distribution, and `speculant train mtp`."""
 from __future__ import annotations
 
+import importlib
 import json
 from types import SimpleNamespace
 
@@ -287,12 +288,11 @@ def test_drafts_equal_a_fresh_computation(tiny, which):
     assert checked
 
 
-def _windowed_run(target, draft, prompt, skip=True, **options):
-    """(drafts, head rows computed, output) of one greedy run with the MTP speculator; `skip`
-    False: every prompt row written, as without a window."""
-    import speculant_mtp.speculator as module
-
-    spec = make(target, draft, **options)[0]
+def windowed_run(spec, run_engine, skip=True):
+    """(drafts, head rows computed, output) of `run_engine(spec)` (one greedy request, its output
+    tokens) with a hidden-state speculator whose plugin catches up through skip_unread_rows
+    (MTP, EAGLE3); `skip` False: every prompt row written, as without a window."""
+    module = importlib.import_module(type(spec).__module__)
     rows, seen = [], []
     decode, propose = spec.head.decode, spec.propose_batch
     spec.head.decode = lambda batch, *a, **k: rows.append(len(batch)) or decode(batch, *a, **k)
@@ -307,11 +307,16 @@ def _windowed_run(target, draft, prompt, skip=True, **options):
     if not skip:
         module.skip_unread_rows = lambda context, seq_id, first_read, state: context.length(seq_id)
     try:
-        _, (out,) = run(target, [prompt], 24, [spec])
+        out = run_engine(spec)
     finally:
         module.skip_unread_rows = saved
         spec.head.decode = decode  # the head is loaded once per process
-    return spec, seen, sum(rows), out
+    return seen, sum(rows), out
+
+
+def _windowed_run(target, draft, prompt, skip=True, **options):
+    spec = make(target, draft, **options)[0]
+    return (spec, *windowed_run(spec, lambda sp: run(target, [prompt], 24, [sp])[1][0], skip))
 
 
 def test_a_head_trained_on_windows_attends_over_its_window_and_skips_older_rows(tiny, tmp_path):
