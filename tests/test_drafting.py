@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from speculant.context import KVCache
+from speculant import drafting
 from speculant.drafting import (TRAINING_KEY, DraftChain, PositionStates, committed_rows, pick_token, skip_unread_rows,
-                                trained_window)
+                                store_encoded_taps, trained_window)
 from speculant.types import Draft, DraftLimits, SequenceView
 
 
@@ -86,3 +87,25 @@ def test_skip_unread_rows_moves_the_cache_up_without_writing():
     assert skip_unread_rows(cache, 0, 320, state) == 340  # the window reads computed rows only
     cache.truncate(0, 310)  # the history is cut back: a window from 200 reads rows the skip left out
     assert skip_unread_rows(cache, 0, 200, state) == 200 and cache.length(0) == 200 and state.computed_from == 200
+
+
+def test_taps_are_encoded_a_piece_at_a_time_into_the_states():
+    """store_encoded_taps: the taps side by side in tap order, ENCODE_ROWS rows a call at most, the
+    first n_valid rows only; nothing where a tap is missing or the rows start past the states."""
+    n = 2 * drafting.ENCODE_ROWS + 7
+    hidden = {layer: torch.randn(n + 3, 4) for layer in (1, 5, 9)}
+    calls = []
+
+    def encode(x):
+        calls.append(len(x))
+        return x[:, :6] * 2  # row by row, so any split gives the same rows
+
+    state = PositionStates(6, state_offset=0, token_offset=1)
+    store_encoded_taps(state, 0, hidden, (9, 1), n, encode)
+    assert state.n == n and max(calls) <= drafting.ENCODE_ROWS and sum(calls) == n
+    want = torch.cat([hidden[9][:n], hidden[1][:n]], dim=-1)[:, :6] * 2
+    assert torch.equal(state.data[:n].float(), want.to(state.data.dtype).float())
+    calls.clear()
+    store_encoded_taps(state, 0, {1: hidden[1]}, (9, 1), n, encode)  # tap 9 missing
+    store_encoded_taps(state, n + 1, hidden, (9, 1), 5, encode)  # a gap after position n
+    assert calls == [] and state.n == n

@@ -13,7 +13,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.constants import GGMLQuantizationType as Q
 
 from speculant.errors import ModelFileError
-from speculant.gguf.file import open_gguf, read_gguf_metadata
+from speculant.gguf import file as gguf_file
+from speculant.gguf.file import LazyArray, open_gguf, read_gguf_metadata
 from speculant.testing.tiny_gguf import quantize, write_tiny_model
 
 from conftest import DRAFT, GEMMA, MODEL_DIR, TARGET
@@ -42,6 +43,9 @@ def assert_matches_reader(path, compare_bytes=True):
     assert list(ours.metadata) == list(ref_md)  # same keys in the same (file) order
     for key, want in ref_md.items():
         got = ours.metadata[key]
+        if isinstance(got, LazyArray):  # long arrays: decoded on first read, their length known before
+            assert isinstance(want, list) and len(want) >= gguf_file.LAZY_ARRAY_ITEMS and len(got) == len(want), key
+            got = got.items()
         assert type(got) is type(want), key
         assert got == want, key
         if isinstance(want, list) and want:
@@ -128,6 +132,46 @@ def test_every_value_type_and_tensor_kind(tmp_path):
     assert all(t.offset % 64 == 0 for t in g.tensors.values())
     assert g.tensors["i32"].shape == (2, 3, 4) and g.tensors["i32"].data.dtype == np.int32
     assert g.tensors["q8_3d"].shape == (3, 2, 64) and g.tensors["q8_3d"].data.shape == (3, 2, 68)
+
+
+def test_long_arrays_are_decoded_on_first_read(tmp_path):
+    """Arrays of LAZY_ARRAY_ITEMS items or more (a tokenizer's) stay undecoded until read: their
+    length is known, their items are the reader's, read_gguf_metadata's are plain lists."""
+    n = gguf_file.LAZY_ARRAY_ITEMS
+    path = str(tmp_path / "long.gguf")
+    w = GGUFWriter(path, "llama")
+    w.add_array("t.strs", [f"tok{i}\u2581" for i in range(n)])
+    w.add_array("t.ints", list(range(-3, n - 3)))
+    w.add_array("t.floats", [i / 4 for i in range(n + 1)])
+    w.add_array("t.short", ["a"] * (n - 1))
+    w.add_tensor("w", np.ones((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = open_gguf(path)
+    lazy = [k for k, v in g.metadata.items() if isinstance(v, LazyArray)]
+    assert lazy == ["t.strs", "t.ints", "t.floats"]
+    assert [len(g.metadata[k]) for k in lazy] == [n, n, n + 1]
+    assert all(g.metadata[k]._items is None for k in lazy)  # len() decoded nothing
+    assert g.metadata["t.strs"][5] == "tok5\u2581" and g.metadata["t.ints"][-1] == n - 4
+    assert g.metadata["t.floats"] == [i / 4 for i in range(n + 1)]
+    assert_matches_reader(path)
+    eager = read_gguf_metadata(path, prefixes=())
+    assert all(type(eager[k]) is list for k in lazy) and eager == g.metadata
+
+
+def test_a_tokenizer_reads_lazy_arrays(monkeypatch, tmp_path):
+    """Every array lazy (the real models' tokenizers are): a tiny model tokenizes as with plain lists."""
+    from speculant.loader import load_model
+
+    path = write_tiny_model(str(tmp_path / "tiny.gguf"))
+    text = "def f(x):\n    return x + 1  # héllo"
+    want = load_model(path, progress=False).tokenizer.encode(text)
+    monkeypatch.setattr(gguf_file, "LAZY_ARRAY_ITEMS", 1)
+    model = load_model(path, progress=False)
+    assert any(isinstance(v, LazyArray) for v in open_gguf(path).metadata.values())
+    assert model.tokenizer.encode(text) == want and model.tokenizer.decode(want) == load_model(path, progress=False).tokenizer.decode(want)
 
 
 def test_no_tensors_and_release(tmp_path):

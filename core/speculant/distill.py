@@ -163,12 +163,13 @@ def _done(path: Path) -> tuple[set[int], int]:
 
 
 def answer(target, path: str, n_tokens: int, globs: list[str], *, batch: int = 8, max_tokens: int = 384,
-           max_prompt: int = 1536, spec_types: str | None = None, log=print) -> int:
+           max_prompt: int = 1536, spec_types: str | None = None, start: int = 0, log=print) -> int:
     """Append the target's greedy answers to `path` until its documents (prompt + answer) hold
     `n_tokens` tokens; `batch` requests decode at once. Resumes. Returns the tokens held.
 
     `spec_types` (the user's --spec-type list, default none): speculators that make the answers
-    come sooner (many requests ask for their own code back, edited); the tokens are the same."""
+    come sooner (many requests ask for their own code back, edited); the tokens are the same.
+    `start`: the first request of :func:`requests`' order to answer (those before it are skipped)."""
     from speculant.engine import Engine, EngineConfig
     from speculant.speculator import build_speculators, parse_spec_types
 
@@ -179,7 +180,7 @@ def answer(target, path: str, n_tokens: int, globs: list[str], *, batch: int = 8
         return tokens
     speculators = build_speculators(parse_spec_types(spec_types), {}, target)
     engine = Engine(target, EngineConfig(n_ctx=max_prompt + max_tokens + 8, spec_deadline=None), speculators)
-    stream = ((i, m) for i, m in enumerate(requests(globs)) if i not in done)
+    stream = ((i, m) for i, m in enumerate(requests(globs)) if i >= start and i not in done)
     running, t0, made, n_docs = {}, time.time(), 0, len(done)
     with out.open("a") as f:
         while tokens < n_tokens or running:

@@ -116,7 +116,8 @@ def _manifest_layers(manifest: dict) -> list[int]:
 
 def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tuple[int, ...], piece_tokens: int = 480,
             *, top_k: int = TOP_K, tag: dict | None = None, recipe: str = "read", answers: str | None = None,
-            answer_batch: int = 8, answer_tokens: int = 384, answer_spec_types: str | None = None, log=print) -> dict:
+            answer_batch: int = 8, answer_tokens: int = 384, answer_spec_types: str | None = None, answer_from: int = 0,
+            log=print) -> dict:
     """Run `target` over the recipe's pieces until `data_dir` holds `n_tokens` rows; resumes.
 
     `layers`: the hidden states to keep, as ``Model.forward(hidden_layers=)`` numbers them (the
@@ -128,7 +129,8 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
     own answers to requests built from those files (``speculant.distill``), generated first into
     `answers` (default ``data_dir/answers.jsonl``; a file several collections can share), with
     `answer_batch` requests decoding at once, at most `answer_tokens` tokens an answer, and the
-    speculators `answer_spec_types` (a --spec-type list) to decode them sooner."""
+    speculators `answer_spec_types` (a --spec-type list) to decode them sooner, from request
+    `answer_from` of the recipe's order on (a later run adding requests an earlier head never saw)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}: one of {', '.join(RECIPES)}")
     directory = Path(data_dir)
@@ -162,7 +164,7 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
         answers = answers or str(directory / "answers.jsonl")
         manifest["answers"] = answers
         distill.answer(target, answers, n_tokens, globs, batch=answer_batch, max_tokens=answer_tokens,
-                       spec_types=answer_spec_types, log=log)
+                       spec_types=answer_spec_types, start=answer_from, log=log)
         docs = distill.documents(answers)
     else:
         docs = pieces(files, target.tokenizer, piece_tokens)
@@ -276,6 +278,9 @@ def add_recipe_arguments(p) -> None:
     p.add_argument("--answer-spec-type", default=None, metavar="TYPES",
                    help="with --recipe self: speculators to decode the answers with (a --spec-type list, e.g. "
                         "suffix,ngram-simple; the answers are the same, sooner where they copy the request)")
+    p.add_argument("--answer-from", type=int, default=0, metavar="N",
+                   help="with --recipe self: answer the requests from the N-th of the recipe's fixed order on (default 0), "
+                        "e.g. past those an earlier head was trained on")
     p.add_argument("--mix", action="append", default=[], metavar="DIR",
                    help="another data directory, already collected for the same layers, to train on as well (repeatable)")
 
@@ -283,4 +288,4 @@ def add_recipe_arguments(p) -> None:
 def recipe_options(args) -> dict:
     """`collect`'s keywords from the options of :func:`add_recipe_arguments`."""
     return {"recipe": args.recipe, "answers": args.answers, "answer_batch": args.answer_batch, "answer_tokens": args.answer_tokens,
-            "answer_spec_types": args.answer_spec_type}
+            "answer_spec_types": args.answer_spec_type, "answer_from": args.answer_from}

@@ -1,6 +1,9 @@
 """Open a GGUF file: memory-mapped tensors plus metadata as plain Python values.
 
 The header is parsed here (`open_gguf`, and `read_gguf_metadata` for the metadata alone).
+`open_gguf` leaves long arrays (a tokenizer's 150k tokens and merges) undecoded until first read
+(`LazyArray`): a drafter head carries its target's tokenizer for llama.cpp but never reads it,
+and decoding it cost ~20 MB of Python objects.
 
 Everything that can go wrong with a file on disk becomes one ModelFileError naming the file.
 """
@@ -10,6 +13,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -34,6 +38,45 @@ class TensorInfo:
     @property
     def n_elements(self) -> int:
         return int(np.prod(self.shape))
+
+
+# Arrays of at least this many items stay undecoded until first read (`LazyArray`).
+LAZY_ARRAY_ITEMS = 4096
+
+
+class LazyArray(Sequence):
+    """A metadata array of the mapped file, decoded (to the list `read_gguf_metadata` gives) on
+    first access to its items; its length is known without decoding. Reading it needs the
+    mapping open, as the tensors do."""
+
+    def __init__(self, decode, count: int):
+        self._decode, self._count, self._items = decode, count, None
+
+    def items(self) -> list:
+        if self._items is None:
+            self._items = self._decode()
+            self._decode = None
+        return self._items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        return self.items()[i]
+
+    def __iter__(self):
+        return iter(self.items())
+
+    def __eq__(self, other) -> bool:
+        return self.items() == (other.items() if isinstance(other, LazyArray) else other)
+
+    def __repr__(self) -> str:
+        return f"LazyArray({self._count} items)" if self._items is None else repr(self._items)
+
+
+def plain_array(value):
+    """`value` as a list where it is a LazyArray, else unchanged."""
+    return value.items() if isinstance(value, LazyArray) else value
 
 
 @attrs.frozen
@@ -168,7 +211,7 @@ def _map_file(path: str) -> mmap.mmap:
         raise ModelFileError(f"{path}: cannot read the file ({e.strerror or e})") from None
 
 
-def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: bool = True) -> _Header:
+def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: bool = True, lazy: bool = False) -> _Header:
     """Parse magic, version, metadata (keys starting with one of `prefixes`, all if empty) and,
     with `with_tensors`, the tensor infos.  `buf` is the mapped file.  Raises ModelFileError."""
     size = len(buf)
@@ -241,7 +284,13 @@ def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: 
                 val, pos = read_str(pos)
             elif vtype == _T_ARRAY:
                 val = []
-                pos = read_array(pos, want, val)
+                itype, count = unpack_from("<IQ", buf, pos) if pos + 12 <= size else (None, 0)
+                if lazy and want and count >= LAZY_ARRAY_ITEMS and (itype == _T_STRING or itype in _NP_ITEMS):
+                    start = pos
+                    pos = read_array(pos, False, val)  # walks the array (bounds checked), decodes nothing
+                    val = LazyArray(lambda start=start: _decode_array(buf, start, read_array), count)
+                else:
+                    pos = read_array(pos, want, val)
             elif vtype in _SCALARS:
                 (val,) = unpack_from(_SCALARS[vtype], buf, pos)
                 pos += _SCALAR_SIZES[vtype]
@@ -295,6 +344,12 @@ def _parse_header(path: str, buf, prefixes: tuple[str, ...] = (), with_tensors: 
             f"{path}: truncated GGUF header (the file is {size} bytes long and ends inside {where})") from None
     except _Malformed as e:
         raise ModelFileError(f"{path}: malformed GGUF header: {e}") from None
+
+
+def _decode_array(buf, start: int, read_array) -> list:
+    out: list = []
+    read_array(start, True, out)
+    return out
 
 
 def read_gguf_metadata(path: str | os.PathLike, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, Any]:
@@ -353,7 +408,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     path = os.fspath(path)
     mapping = _map_file(path)
     try:
-        header = _parse_header(path, mapping)
+        header = _parse_header(path, mapping, lazy=True)
         layouts = [_layout(path, len(mapping), header.data_start, raw) for raw in header.tensors]
     except BaseException:
         mapping.close()  # no views exist yet, so this cannot fail
@@ -363,4 +418,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         # Same dtype and shape as gguf-py gives (typed arrays for float/int types, rows of bytes otherwise).
         data = np.frombuffer(mapping, dtype=t.dtype, count=t.count, offset=t.offset).reshape(t.view_shape)
         tensors[t.name] = TensorInfo(t.name, t.qtype, t.shape, data, t.offset)
+    # The header's pages were read once to parse it; the OS may drop them (a LazyArray read
+    # faults its pages in again), so a head's copy of the tokenizer holds no memory.
+    header_pages = min(header.data_start, len(mapping)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if header_pages:
+        mapping.madvise(mmap.MADV_DONTNEED, 0, header_pages)
     return GGUFFile(path, header.metadata, tensors, mapping)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from speculant import Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model_once
-from speculant.drafting import PositionStates, committed_rows, draft_generator
+from speculant.drafting import PositionStates, committed_rows, draft_generator, store_encoded_taps
 from speculant.speculator import SpeculatorConfig
 
 from speculant_dflash.head import DFlashHead
@@ -98,11 +98,6 @@ class DFlash:
         self.seqs: dict[int, PositionStates] = {}
 
     # --- what the target computed ------------------------------------------------------------
-    def _taps(self, hidden: dict) -> torch.Tensor | None:
-        if any(l not in hidden for l in self.taps):
-            return None
-        return torch.cat([hidden[l] for l in self.taps], dim=-1)
-
     def _state(self, seq_id: int) -> PositionStates:
         state = self.seqs.get(seq_id)
         if state is None:  # the context row of position p is computed from g_p alone
@@ -110,9 +105,7 @@ class DFlash:
         return state
 
     def _store(self, seq_id: int, start: int, hidden: dict, n_valid: int) -> None:
-        taps = self._taps(hidden)
-        if taps is not None and n_valid > 0:
-            self._state(seq_id).put(start, self.head.encode(taps[:n_valid]))  # after a gap, drafting waits
+        store_encoded_taps(self._state(seq_id), start, hidden, self.taps, n_valid, self.head.encode)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @hookimpl

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from speculant import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model_once
-from speculant.drafting import DraftChain, PositionStates, committed_rows, draft_generator, pick_token, skip_unread_rows
+from speculant.drafting import (DraftChain, PositionStates, committed_rows, draft_generator, pick_token, skip_unread_rows,
+                                store_encoded_taps)
 from speculant.speculator import SpeculatorConfig
 
 from speculant_eagle3.head import Eagle3Head
@@ -94,11 +95,6 @@ class Eagle3:
         self.seqs: dict[int, PositionStates] = {}
 
     # --- what the target computed ------------------------------------------------------------
-    def _taps(self, hidden: dict) -> torch.Tensor | None:
-        if any(l not in hidden for l in self.taps):
-            return None
-        return torch.cat([hidden[l] for l in self.taps], dim=-1)
-
     def _state(self, seq_id: int) -> PositionStates:
         state = self.seqs.get(seq_id)
         if state is None:  # the head's row P pairs (t_{P+1}, g_P)
@@ -106,9 +102,7 @@ class Eagle3:
         return state
 
     def _store(self, seq_id: int, start: int, hidden: dict, n_valid: int) -> None:
-        taps = self._taps(hidden)
-        if taps is not None and n_valid > 0:
-            self._state(seq_id).put(start, self.head.encode(taps[:n_valid]))  # after a gap, drafting waits
+        store_encoded_taps(self._state(seq_id), start, hidden, self.taps, n_valid, self.head.encode)
 
     # --- lifecycle -----------------------------------------------------------------------------
     @hookimpl

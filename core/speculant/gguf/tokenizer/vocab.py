@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 import attrs
 
 from speculant.errors import ModelFileError
+from speculant.gguf.file import plain_array
 
 # GGUF token types (tokenizer.ggml.token_type), as llama.cpp's llama_token_type.
 TOKEN_TYPE_UNDEFINED = 0
@@ -147,7 +148,7 @@ class Vocabulary:
 def array_of(metadata: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> list | None:
     """metadata[key] when it is an array of `kind` (None when absent); anything else, a scalar
     where an array belongs included, is one ModelFileError naming the key."""
-    value = metadata.get(key)
+    value = plain_array(metadata.get(key))
     if value is None:
         return None
     ok = lambda x: isinstance(x, kind) and not isinstance(x, bool)
