@@ -174,6 +174,27 @@ def test_a_tokenizer_reads_lazy_arrays(monkeypatch, tmp_path):
     assert model.tokenizer.encode(text) == want and model.tokenizer.decode(want) == load_model(path, progress=False).tokenizer.decode(want)
 
 
+def test_read_rows_is_the_mapped_rows(tmp_path):
+    """GGUFFile.read_rows (a drafter's lm_head rows, read without the map) gives data[ids]."""
+    path = str(tmp_path / "rows.gguf")
+    rng = np.random.default_rng(1)
+    w = GGUFWriter(path, "llama")
+    w.add_tensor("f32", rng.standard_normal((40, 8)).astype(np.float32))
+    w.add_tensor("q8", quantize(rng.standard_normal((40, 64)).astype(np.float32), "Q8_0"), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = open_gguf(path)
+    ids = [39, 0, 7, 8, 21]
+    for name in ("f32", "q8"):
+        info = g.tensors[name]
+        rows = g.read_rows(info, ids)
+        assert rows.dtype == info.data.dtype and np.array_equal(rows, info.data[ids]), name
+    with pytest.raises(IndexError):
+        g.read_rows(g.tensors["f32"], [40])
+
+
 def test_no_tensors_and_release(tmp_path):
     path = str(tmp_path / "empty.gguf")
     w = GGUFWriter(path, "llama")

@@ -97,6 +97,23 @@ class GGUFFile:
         if end > start:
             self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def read_rows(self, info: TensorInfo, ids) -> np.ndarray:
+        """Rows `ids` of tensor `info` (as ``info.data[ids]``), read from the file rather than
+        through the map: a few thousand rows spread over a 150k-row lm_head fault in most of its
+        pages (fault-around maps 16 at a time), 134 MB of RSS for a 21 MB copy."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= info.data.shape[0]):
+            raise IndexError(f"rows {int(ids.min())}..{int(ids.max())} of tensor '{info.name}' with {info.data.shape[0]} rows")
+        row_bytes = info.data[0].nbytes if len(info.data) else 0
+        out = np.empty(len(ids) * row_bytes, dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            for j, i in enumerate(ids.tolist()):
+                chunk = os.pread(f.fileno(), row_bytes, info.offset + i * row_bytes)
+                if len(chunk) != row_bytes:
+                    raise ModelFileError(f"{self.path}: tensor '{info.name}' is cut short (row {i})")
+                out[j * row_bytes : (j + 1) * row_bytes] = np.frombuffer(chunk, dtype=np.uint8)
+        return out.view(info.data.dtype).reshape((len(ids),) + info.data.shape[1:])
+
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))

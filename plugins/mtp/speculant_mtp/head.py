@@ -122,9 +122,11 @@ class MtpHead:
                     or len(torch.unique(vocab)) != len(vocab):
                 raise ModelFileError(f"{gguf.path}: '{VOCAB_KEY}' must hold distinct token ids below {cfg.n_vocab}")
             if t is None:  # the rows of the target's own lm_head
-                tf = target_file or _open(target.info.path)
-                t = tf.tensors.get("output.weight") or tf.tensors.get("token_embd.weight")
-            rows = np.ascontiguousarray(np.asarray(t.data)[vocab.numpy()])
+                source = target_file or _open(target.info.path)
+                t = source.tensors.get("output.weight") or source.tensors.get("token_embd.weight")
+            else:
+                source = gguf
+            rows = source.read_rows(t, vocab.numpy())
             t = TensorInfo(t.name, t.qtype, (len(vocab),) + tuple(t.shape[1:]), rows)
         head = backend.linear(t) if t is not None else _borrow(target, "output", gguf.path)
         return cls(cfg, gguf.path, backend, parts, embed, head_norm, head, in_target, vocab, trained_window(gguf.metadata))
