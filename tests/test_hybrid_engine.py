@@ -104,6 +104,18 @@ def test_hybrid_cache_truncate_bounds():
         cache.commit(0, 2, 3)
 
 
+def test_nbytes_counts_overlapping_row_states_once():
+    """Per-row states given as overlapping windows of one buffer (lfm2's conv states) count the
+    buffer they span, not each window whole (the prompt cache's --cache-ram limit reads it)."""
+    cache = HybridCache(KVCache(1, 1, 2, 64), {3: ((2, 4),)})
+    buffer = torch.zeros(5 + 2, 4)  # [state | 5 rows]; row j's state is rows j+1 .. j+2
+    cache.reserve(0, 5)
+    cache.write(0, 3, [buffer[-2:].clone()], [buffer.as_strided((5, 2, 4), (4, 4, 1), 4)])
+    cache.commit(0, 0, 5)
+    kv = cache.kv.nbytes(0)
+    assert cache.nbytes(0) - kv == 2 * 4 * 4 + 6 * 4 * 4  # the final state, and the 6 buffer rows the windows span
+
+
 @pytest.mark.parametrize("n", [0, 2])
 def test_ctx_checkpoints_bound(n):
     """--ctx-checkpoints: the prompt-end states a sequence keeps, the oldest dropped first."""

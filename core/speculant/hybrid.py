@@ -56,6 +56,15 @@ class Checkpoint:
         return sum(t.nbytes for ts in self.states.values() for t in ts)
 
 
+def _span_bytes(t: torch.Tensor) -> int:
+    """The memory a view spans: a conv block's per-row states are overlapping windows of one
+    buffer (lfm2: row j's state is rows j+1 .. j+s of [state | Bx]), whose `nbytes` would count
+    each row's window whole, s times the buffer."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+
+
 @attrs.define
 class HybridCache:
     """`kv`: the attention layers' rows (its layer index is the model's own attention-layer
@@ -130,7 +139,7 @@ class HybridCache:
         if s is None:
             return 0
         rec = sum(t.nbytes for ts in s.states.values() for t in ts)
-        rec += sum(t.nbytes for ts in s.rows.values() if not callable(ts) for t in ts)
+        rec += sum(_span_bytes(t) for ts in s.rows.values() if not callable(ts) for t in ts)
         return self.kv.nbytes(seq_id) + rec
 
     def state_nbytes(self) -> int:
