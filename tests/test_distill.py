@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculant import load_model
-from speculant.distill import answer, documents, requests
+from speculant.distill import SCRATCH_ASKS, SCRATCH_TAILS, answer, documents, requests
 from speculant.engine import Engine, EngineConfig
 from speculant.testing.tiny_gguf import write_tiny_model
 from speculant.training import Shards, collect
@@ -42,6 +42,22 @@ def test_requests_are_varied_deterministic_and_not_the_workloads():
         assert not any(text in u for u in users)
 
 
+def test_scratch_requests_ask_for_code_from_a_description():
+    first = [m for _, m in zip(range(60), requests(SOURCES, "scratch"))]
+    assert first == [m for _, m in zip(range(60), requests(SOURCES, "scratch"))]
+    users = [m[-1]["content"] for m in first]
+    assert len(users) == 60 and not any("```" in u for u in users)  # nothing given to work on
+    assert sum(any(u.startswith(a.split("{")[0]) for u in users) for a in SCRATCH_ASKS) == len(SCRATCH_ASKS)
+    assert sum(f" {lang}" in u for u in users for lang in ("C++", "Rust", "Go", "Python")) > 20
+    assert all(u.endswith(tuple(t or "" for t in SCRATCH_TAILS)) for u in users)
+    assert not any("Python's" in u and " in Python:" in u for u in users)
+    workloads = json.load(open("tests/data/workloads-public.json"))
+    for w in workloads if isinstance(workloads, list) else workloads["workloads"]:
+        assert not any(w["messages"][-1]["content"][:60] in u for u in users)
+    with pytest.raises(ValueError, match="unknown request kind"):
+        next(requests(SOURCES, "other"))
+
+
 def test_answers_are_the_targets_greedy_answers_and_resume(tiny, tmp_path):
     path = tmp_path / "answers.jsonl"
     held = answer(tiny, str(path), 600, SOURCES, batch=3, max_tokens=12, max_prompt=400, log=lambda m: None)
@@ -59,6 +75,13 @@ def test_answers_are_the_targets_greedy_answers_and_resume(tiny, tmp_path):
     indices = [r["index"] for r in rows2]
     assert len(indices) == len(set(indices))
     assert [ids for _, ids in documents(str(path))] == [r["prompt"] + r["answer"] for r in rows2]
+    # The scratch kind: its own requests, from `start` on, answered the same way.
+    scratch = tmp_path / "scratch.jsonl"
+    answer(tiny, str(scratch), 300, SOURCES, batch=3, max_tokens=12, max_prompt=400, start=2, kind="scratch", log=lambda m: None)
+    srows = [json.loads(line) for line in scratch.read_text().splitlines()]
+    asked = {i: m for i, m in zip(range(40), requests(SOURCES, "scratch"))}
+    assert srows and min(r["index"] for r in srows) >= 2
+    assert all(r["prompt"] == tiny.tokenizer.encode_chat(asked[r["index"]]) for r in srows)
     # Speculators decode the same answers.
     fast = tmp_path / "fast.jsonl"
     answer(tiny, str(fast), 600, SOURCES, batch=3, max_tokens=12, max_prompt=400, spec_types="ngram-simple,ngram-map-k",

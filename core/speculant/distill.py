@@ -17,6 +17,14 @@ Requests (:func:`requests`), in a fixed pseudo-random order of the same source f
   license, Python requirement) as JSON or CSV: render them as a Markdown table, CSV, YAML or a
   list, pick or sort fields.
 
+A second kind, ``kind="scratch"`` (its own order and answers file), asks for code written from
+scratch: an equivalent of a documented class or function of those files in another language, a
+demo program or a small library for what its docstring says, with or without "only code". A
+drafter meets such answers often (nothing in the request to copy), and the assistant kind above
+holds few: the EAGLE3 head trained on it was right 0.60 of the time at its first step on unseen
+requests of that kind, and its first draft token was accepted 0.27-0.53 of the time on
+from-scratch asks (docs/benchmarks.md, twentieth run).
+
 None of the benchmark workloads, nor text written for them, is among them: they are generic
 assistant tasks over other inputs. :data:`SYSTEMS` holds the system prompts used (or none).
 
@@ -38,7 +46,7 @@ from typing import Iterator
 
 from speculant.sources import source_files
 
-__all__ = ["CODE_ASKS", "DATA_ASKS", "SPEC_ASKS", "SYSTEMS", "answer", "documents", "requests"]
+__all__ = ["CODE_ASKS", "DATA_ASKS", "KINDS", "SCRATCH_ASKS", "SPEC_ASKS", "SYSTEMS", "answer", "documents", "requests"]
 
 LANGUAGES = ("C", "C++", "Rust", "Go", "JavaScript", "Java", "TypeScript")
 SYSTEMS = (None, "You are a helpful assistant.", "You are a careful senior software engineer.",
@@ -67,11 +75,64 @@ DATA_ASKS = (
     "Sort these records by {col} and show them as a Markdown table.",
     "Convert this CSV to a JSON array of objects.",
 )
+SCRATCH_ASKS = (
+    "Implement an equivalent of Python's `{module}.{name}` in {lang}: {summary}",
+    "Write a {lang} program that demonstrates this: {summary}",
+    "Write a small {lang} library for the following, with a short usage example: {summary}",
+    "In {lang}, write `{name}`. What it does: {summary}",
+    "Show me how to build this in {lang}, step by step: {summary}",
+)
+SCRATCH_TAILS = ("", " Only code, please.", " Just the code, no explanations.", " Keep it short.",
+                 " Add comments where it helps.")
 FIELDS = ("name", "version", "summary", "license", "requires_python")
+KINDS = ("assist", "scratch")
 
 
 def _order(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _documented(path: str) -> list[tuple[str, str]]:
+    """(name, docstring summary of 30-300 characters) of the file's public top-level classes and functions."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return []
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            doc = " ".join((ast.get_docstring(node) or "").strip().split("\n\n")[0].split())
+            if 30 <= len(doc) <= 300:
+                out.append((node.name, doc))
+    return out
+
+
+def _module_name(path: str) -> str:
+    """A dotted module name for `path` (its part under site-packages or the standard library)."""
+    parts = Path(path).with_suffix("").parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            parts = parts[parts.index(anchor) + 1 :]
+            break
+    else:
+        parts = parts[-2:] if len(parts) >= 2 and not parts[-2].startswith("python") else parts[-1:]
+    parts = [p for p in parts if p != "__init__"]
+    return ".".join(parts) or "module"
+
+
+def _scratch_requests(globs: list[str]) -> Iterator[list[dict]]:
+    k = 0
+    for path in source_files(globs):
+        if not path.endswith(".py"):
+            continue
+        for name, summary in _documented(path)[:2]:
+            system = SYSTEMS[(k // 2) % len(SYSTEMS)]
+            ask = SCRATCH_ASKS[(k // 7) % len(SCRATCH_ASKS)]
+            lang = LANGUAGES[k % len(LANGUAGES)] if k % 6 or "Python's" in ask else "Python"
+            ask = ask.format(module=_module_name(path), name=name, lang=lang, summary=summary)
+            user = ask + SCRATCH_TAILS[(k // 3) % len(SCRATCH_TAILS)]
+            k += 1
+            yield ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
 
 def _functions(path: str) -> list[tuple[str, str, str]]:
@@ -124,9 +185,15 @@ def _data_request(k: int, records: list[dict]) -> str:
     return ask.format(cols=", ".join(cols), col=cols[(k // 3) % len(cols)]) + "\n" + body
 
 
-def requests(globs: list[str]) -> Iterator[list[dict]]:
+def requests(globs: list[str], kind: str = "assist") -> Iterator[list[dict]]:
     """Chat requests (messages, without the answer), endlessly varied over the files of `globs`
-    and the installed distributions; the same order on every run and machine with the same files."""
+    and the installed distributions; the same order on every run and machine with the same files.
+    `kind`: "assist" (work on given code or data) or "scratch" (code written from a description)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown request kind {kind!r}: one of {', '.join(KINDS)}")
+    if kind == "scratch":
+        yield from _scratch_requests(globs)
+        return
     records = _records()
     k = 0
     for path in source_files(globs):
@@ -163,13 +230,14 @@ def _done(path: Path) -> tuple[set[int], int]:
 
 
 def answer(target, path: str, n_tokens: int, globs: list[str], *, batch: int = 8, max_tokens: int = 384,
-           max_prompt: int = 1536, spec_types: str | None = None, start: int = 0, log=print) -> int:
+           max_prompt: int = 1536, spec_types: str | None = None, start: int = 0, kind: str = "assist", log=print) -> int:
     """Append the target's greedy answers to `path` until its documents (prompt + answer) hold
     `n_tokens` tokens; `batch` requests decode at once. Resumes. Returns the tokens held.
 
     `spec_types` (the user's --spec-type list, default none): speculators that make the answers
     come sooner (many requests ask for their own code back, edited); the tokens are the same.
-    `start`: the first request of :func:`requests`' order to answer (those before it are skipped)."""
+    `start`: the first request of :func:`requests`' order to answer (those before it are skipped);
+    `kind`: which requests (:data:`KINDS`; one kind to a file, as the indices are the kind's own)."""
     from speculant.engine import Engine, EngineConfig
     from speculant.speculator import build_speculators, parse_spec_types
 
@@ -180,7 +248,7 @@ def answer(target, path: str, n_tokens: int, globs: list[str], *, batch: int = 8
         return tokens
     speculators = build_speculators(parse_spec_types(spec_types), {}, target)
     engine = Engine(target, EngineConfig(n_ctx=max_prompt + max_tokens + 8, spec_deadline=None), speculators)
-    stream = ((i, m) for i, m in enumerate(requests(globs)) if i >= start and i not in done)
+    stream = ((i, m) for i, m in enumerate(requests(globs, kind)) if i >= start and i not in done)
     running, t0, made, n_docs = {}, time.time(), 0, len(done)
     with out.open("a") as f:
         while tokens < n_tokens or running:

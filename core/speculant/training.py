@@ -117,7 +117,7 @@ def _manifest_layers(manifest: dict) -> list[int]:
 def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tuple[int, ...], piece_tokens: int = 480,
             *, top_k: int = TOP_K, tag: dict | None = None, recipe: str = "read", answers: str | None = None,
             answer_batch: int = 8, answer_tokens: int = 384, answer_spec_types: str | None = None, answer_from: int = 0,
-            log=print) -> dict:
+            answer_kind: str = "assist", log=print) -> dict:
     """Run `target` over the recipe's pieces until `data_dir` holds `n_tokens` rows; resumes.
 
     `layers`: the hidden states to keep, as ``Model.forward(hidden_layers=)`` numbers them (the
@@ -130,7 +130,8 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
     `answers` (default ``data_dir/answers.jsonl``; a file several collections can share), with
     `answer_batch` requests decoding at once, at most `answer_tokens` tokens an answer, and the
     speculators `answer_spec_types` (a --spec-type list) to decode them sooner, from request
-    `answer_from` of the recipe's order on (a later run adding requests an earlier head never saw)."""
+    `answer_from` of the recipe's order on (a later run adding requests an earlier head never saw),
+    of the request kind `answer_kind` (``speculant.distill.KINDS``)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}: one of {', '.join(RECIPES)}")
     directory = Path(data_dir)
@@ -164,7 +165,7 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
         answers = answers or str(directory / "answers.jsonl")
         manifest["answers"] = answers
         distill.answer(target, answers, n_tokens, globs, batch=answer_batch, max_tokens=answer_tokens,
-                       spec_types=answer_spec_types, start=answer_from, log=log)
+                       spec_types=answer_spec_types, start=answer_from, kind=answer_kind, log=log)
         docs = distill.documents(answers)
     else:
         docs = pieces(files, target.tokenizer, piece_tokens)
@@ -281,6 +282,9 @@ def add_recipe_arguments(p) -> None:
     p.add_argument("--answer-from", type=int, default=0, metavar="N",
                    help="with --recipe self: answer the requests from the N-th of the recipe's fixed order on (default 0), "
                         "e.g. past those an earlier head was trained on")
+    p.add_argument("--answer-kind", choices=("assist", "scratch"), default="assist",
+                   help="with --recipe self: assist (work on given code or data, default) or scratch (code written from "
+                        "a description); one kind to an answers file")
     p.add_argument("--mix", action="append", default=[], metavar="DIR",
                    help="another data directory, already collected for the same layers, to train on as well (repeatable)")
 
@@ -288,4 +292,5 @@ def add_recipe_arguments(p) -> None:
 def recipe_options(args) -> dict:
     """`collect`'s keywords from the options of :func:`add_recipe_arguments`."""
     return {"recipe": args.recipe, "answers": args.answers, "answer_batch": args.answer_batch, "answer_tokens": args.answer_tokens,
-            "answer_spec_types": args.answer_spec_type, "answer_from": args.answer_from}
+            "answer_spec_types": args.answer_spec_type, "answer_from": args.answer_from,
+            "answer_kind": args.answer_kind}
