@@ -94,8 +94,8 @@ def committed_rows(seq: SequenceView, draft: Draft | None, n_accepted: int, hidd
 
 
 # Rows of tap states encoded at once. A 935-token prompt's three taps of the 1.5B concatenated
-# whole were 17 MB of floats on top of the states the target hands over (and as much again
-# normed): the largest part of an EAGLE3 head's memory over plain decoding after its weights.
+# whole were 17 MB of floats on top of the states the target hands over (as much again where
+# a head norms them first): after its weights, the largest part of an EAGLE3 head's memory over plain.
 ENCODE_ROWS = 128
 
 
