@@ -92,14 +92,22 @@ def _order(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _parsed(path: str) -> tuple[str, ast.Module] | None:
+    """The file's text and syntax tree; None where it cannot be read or parsed as Python."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        return text, ast.parse(text)
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return None
+
+
 def _documented(path: str) -> list[tuple[str, str]]:
     """(name, docstring summary of 30-300 characters) of the file's public top-level classes and functions."""
-    try:
-        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+    parsed = _parsed(path)
+    if parsed is None:
         return []
     out = []
-    for node in tree.body:
+    for node in parsed[1].body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
             doc = " ".join((ast.get_docstring(node) or "").strip().split("\n\n")[0].split())
             if 30 <= len(doc) <= 300:
@@ -137,11 +145,10 @@ def _scratch_requests(globs: list[str]) -> Iterator[list[dict]]:
 
 def _functions(path: str) -> list[tuple[str, str, str]]:
     """(name, source, docstring summary) of the file's top-level functions of 5-60 lines."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-        tree = ast.parse(text)
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+    parsed = _parsed(path)
+    if parsed is None:
         return []
+    text, tree = parsed
     lines = text.splitlines()
     out = []
     for node in tree.body:
