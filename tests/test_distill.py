@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from speculant import load_model
 from speculant.distill import SCRATCH_ASKS, SCRATCH_TAILS, answer, documents, requests
 from speculant.engine import Engine, EngineConfig
+from speculant.recording import StateRecorder
 from speculant.testing.tiny_gguf import write_tiny_model
+from speculant import training
 from speculant.training import Shards, collect
 
 SOURCES = ["core/speculant/*.py", "plugins/*/speculant_*/*.py"]
@@ -99,7 +102,8 @@ def test_collect_self_recipe_and_mixing(tiny, tmp_path):
     answers = [ids for _, ids in documents(m["answers"])]
     shards = Shards(str(self_dir))
     s = shards.shards[0]
-    assert s["tokens"][: len(answers[0])].tolist() == answers[0]  # the rows are the answered chat turns
+    # The rows are the answered chat turns, but their last token (never fed while answering).
+    assert s["tokens"][: len(answers[0]) - 1].tolist() == answers[0][:-1]
     # The same directory refuses the other recipe; another one mixes with it in training.
     with pytest.raises(ValueError, match="recipe"):
         collect(tiny, str(self_dir), 1600, SOURCES, (n,), recipe="read", log=quiet)
@@ -110,6 +114,67 @@ def test_collect_self_recipe_and_mixing(tiny, tmp_path):
     collect(tiny, str(other), 300, SOURCES, (n - 1,), piece_tokens=100, log=quiet)
     with pytest.raises(ValueError, match="cannot be mixed"):
         Shards([str(self_dir), str(other)])
+
+
+def _rows(shards: Shards) -> list[dict]:
+    return [{k: np.asarray(shards.shards[i][k][a:b]) for k in ("tokens", "hidden", "top_ids", "top_p")}
+            for i, a, b in shards.documents()]
+
+
+def test_states_kept_while_answering_equal_the_target_reading_the_answers_again(tiny, tmp_path, monkeypatch):
+    """New answers' rows are recorded as the target computes them while it answers (a second
+    pass over them is what the collection used to cost); they equal the rows the target gives
+    reading the written answers back, a run that dies loses only its open shard, and an answer
+    whose rows the recorder lacks is read again."""
+    n = tiny.info.n_layers
+    quiet = lambda m: None
+    answers = str(tmp_path / "answers.jsonl")
+    kept = collect(tiny, str(tmp_path / "kept"), 1500, SOURCES, (0, n), recipe="self", answers=answers, answer_batch=3,
+                   answer_tokens=16, log=quiet)
+    docs = [ids for _, ids in documents(answers)]
+    assert kept["pieces"] == len(docs) >= 3 and kept["tokens"] == sum(len(d) - 1 for d in docs) >= 1500
+    # Another directory reads the same answers back (all of them: no new answers are made).
+    read = collect(tiny, str(tmp_path / "read"), sum(map(len, docs)), SOURCES, (0, n), recipe="self", answers=answers,
+                   log=quiet)
+    assert read["pieces"] == len(docs) and [ids for _, ids in documents(answers)] == docs
+    recorded, again = _rows(Shards(str(tmp_path / "kept"))), _rows(Shards(str(tmp_path / "read")))
+    assert len(recorded) == len(again) == len(docs)
+    for r, a, ids in zip(recorded, again, docs):
+        assert r["tokens"].tolist() == ids[:-1] and a["tokens"].tolist() == ids
+        assert r["hidden"].shape == (len(ids) - 1, 2 * tiny.info.n_embd)
+        np.testing.assert_allclose(r["hidden"].astype(np.float32), a["hidden"][:-1].astype(np.float32), atol=2e-3, rtol=1e-2)
+        assert (r["top_ids"][:, 0] == a["top_ids"][:-1, 0]).mean() > 0.98
+        np.testing.assert_allclose(r["top_p"][:, 0].astype(np.float32), a["top_p"][:-1, 0].astype(np.float32), atol=2e-3)
+    # An answer row's recorded top-1 is the token the target answered with.
+    for r, row in zip(recorded, (json.loads(line) for line in open(answers))):
+        n_prompt = len(row["prompt"])
+        assert r["top_ids"][n_prompt - 1:, 0].tolist() == row["answer"][: len(r["tokens"]) - n_prompt + 1]
+    # A run that died with its last shard open: the next one reads those answers back, in order.
+    monkeypatch.setattr(training, "SHARD_TOKENS", 600)
+    directory = tmp_path / "kept-small"
+    kept = collect(tiny, str(directory), 1500, SOURCES, (0, n), recipe="self", answers=str(tmp_path / "more.jsonl"),
+                   answer_batch=3, answer_tokens=16, log=quiet)
+    more = [ids for _, ids in documents(str(tmp_path / "more.jsonl"))]
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert len(manifest["shards"]) >= 2
+    lost = Shards(str(directory)).shards[-1]
+    manifest["tokens"] -= len(lost["tokens"])
+    manifest["pieces"] -= len(lost["docs"]) - 1
+    manifest["shards"].pop()
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    resumed = collect(tiny, str(directory), manifest["tokens"] + sum(map(len, more[manifest["pieces"]:])), SOURCES, (0, n),
+                      recipe="self", answers=str(tmp_path / "more.jsonl"), log=quiet)
+    assert resumed["pieces"] == len(more) == kept["pieces"]
+    assert [r["tokens"].tolist() for r in _rows(Shards(str(directory)))] == \
+        [ids[:-1] for ids in more[: manifest["pieces"]]] + more[manifest["pieces"]:]
+    # A sequence the recorder holds no rows of (its hook raised, say) is read again.
+    got = []
+    recorder = StateRecorder(tiny, (0, n), 8, lambda *a: got.append(a))
+    assert recorder.finish(7, docs[0]) == len(docs[0]) - 1 and recorder.recomputed == 1 and recorder.rows == len(docs[0]) - 1
+    tokens, hidden, top_ids, top_p = got[0]
+    assert tokens == docs[0][:-1]
+    np.testing.assert_allclose(hidden.numpy(), again[0]["hidden"][:-1].astype(np.float32), atol=2e-3, rtol=1e-2)
+    assert (top_ids[:, 0].numpy() == again[0]["top_ids"][:-1, 0]).mean() > 0.98
 
 
 def test_train_mtp_on_its_own_answers_mixed_with_read_data(tmp_path):

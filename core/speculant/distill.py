@@ -237,23 +237,31 @@ def _done(path: Path) -> tuple[set[int], int]:
 
 
 def answer(target, path: str, n_tokens: int, globs: list[str], *, batch: int = 8, max_tokens: int = 384,
-           max_prompt: int = 1536, spec_types: str | None = None, start: int = 0, kind: str = "assist", log=print) -> int:
+           max_prompt: int = 1536, spec_types: str | None = None, start: int = 0, kind: str = "assist", recorder=None,
+           log=print) -> int:
     """Append the target's greedy answers to `path` until its documents (prompt + answer) hold
     `n_tokens` tokens; `batch` requests decode at once. Resumes. Returns the tokens held.
 
     `spec_types` (the user's --spec-type list, default none): speculators that make the answers
     come sooner (many requests ask for their own code back, edited); the tokens are the same.
     `start`: the first request of :func:`requests`' order to answer (those before it are skipped);
-    `kind`: which requests (:data:`KINDS`; one kind to a file, as the indices are the kind's own)."""
+    `kind`: which requests (:data:`KINDS`; one kind to a file, as the indices are the kind's own).
+    `recorder` (a :class:`speculant.recording.StateRecorder`): rides in the engine's chain and is
+    handed each answer as it is written; `n_tokens` then counts the rows it has handed on
+    (``recorder.rows``) instead of the file's tokens."""
     from speculant.engine import Engine, EngineConfig
     from speculant.speculator import build_speculators, parse_spec_types
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     done, tokens = _done(out)
+    if recorder is not None:
+        tokens = recorder.rows
     if tokens >= n_tokens:
         return tokens
     speculators = build_speculators(parse_spec_types(spec_types), {}, target)
+    if recorder is not None:
+        speculators.append(recorder)
     engine = Engine(target, EngineConfig(n_ctx=max_prompt + max_tokens + 8, spec_deadline=None), speculators)
     stream = ((i, m) for i, m in enumerate(requests(globs, kind)) if i >= start and i not in done)
     running, t0, made, n_docs = {}, time.time(), 0, len(done)
@@ -275,7 +283,7 @@ def answer(target, path: str, n_tokens: int, globs: list[str], *, batch: int = 8
                 f.write(json.dumps({"index": running.pop(seq.seq_id), "prompt": seq.tokens[: seq.n_prompt],
                                     "answer": answer_ids, "finish": seq.finish_reason}) + "\n")
                 f.flush()
-                tokens += len(seq.tokens)
+                tokens += recorder.finish(seq.seq_id, seq.tokens) if recorder is not None else len(seq.tokens)
                 made += len(answer_ids)
                 n_docs += 1
                 engine.release(seq)

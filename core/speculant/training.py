@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -104,7 +105,10 @@ class _ShardWriter:
         for key, parts in (("tokens", self.tokens), ("hidden", self.hidden), ("top_ids", self.top_ids), ("top_p", self.top_p)):
             np.save(tmp / f"{key}.npy", np.concatenate(parts))
         np.save(tmp / "docs.npy", np.asarray(self.docs, dtype=np.int64))
-        os.replace(tmp, self.directory / name)  # a shard appears whole or not at all
+        final = self.directory / name
+        if final.exists():  # written by a run that died before its manifest listed it
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # a shard appears whole or not at all
         return name
 
 
@@ -126,8 +130,10 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
     kept in the manifest and checked on resume. Returns the manifest.
 
     `recipe`: "read", source files read back as chat turns (:func:`pieces`); "self", the target's
-    own answers to requests built from those files (``speculant.distill``), generated first into
-    `answers` (default ``data_dir/answers.jsonl``; a file several collections can share), with
+    own answers to requests built from those files (``speculant.distill``), written to `answers`
+    (default ``data_dir/answers.jsonl``; a file several collections can share: answers already in
+    it are read by the target again, new ones are kept as the target computes them while answering,
+    ``speculant.recording``), with
     `answer_batch` requests decoding at once, at most `answer_tokens` tokens an answer, and the
     speculators `answer_spec_types` (a --spec-type list) to decode them sooner, from request
     `answer_from` of the recipe's order on (a later run adding requests an earlier head never saw),
@@ -159,44 +165,77 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
     files = source_files(globs)
     if not files:
         raise ValueError(f"no source files match {globs}")
+    store = _Collection(directory, manifest, log)
     if recipe == "self":
         from speculant import distill
 
         answers = answers or str(directory / "answers.jsonl")
         manifest["answers"] = answers
-        distill.answer(target, answers, n_tokens, globs, batch=answer_batch, max_tokens=answer_tokens,
-                       spec_types=answer_spec_types, start=answer_from, kind=answer_kind, log=log)
-        docs = distill.documents(answers)
+        docs = distill.documents(answers) if Path(answers).exists() else iter(())
     else:
         docs = pieces(files, target.tokenizer, piece_tokens)
-    shard = _ShardWriter(directory, len(manifest["shards"]))
-    done_pieces, t0, n0 = manifest["pieces"], time.time(), manifest["tokens"]
+    # Documents already written (read-back pieces, or answers an earlier run or another
+    # collection wrote): the target reads each again.
     context = target.new_context(4096)
     for k, (path, ids) in enumerate(docs):
-        if k < done_pieces:
+        if store.tokens >= n_tokens:
+            break
+        if k < store.pieces:
             continue
         out = target.forward(Batch.for_sequence(0, 0, ids, logits="all"), context, hidden_layers=wanted)
         context.drop(0)
-        probs = torch.softmax(out.logits.float(), dim=-1)
-        top = probs.topk(top_k, dim=-1)
-        shard.add(ids, torch.cat([out.hidden[l].float() for l in layers], dim=-1), top.indices, top.values)
-        done_pieces = k + 1
-        if shard.n >= SHARD_TOKENS:
-            manifest["shards"].append(shard.close())
-            manifest["tokens"] += shard.n
-            manifest["pieces"] = done_pieces
-            manifest_path.write_text(json.dumps(manifest, indent=1))
-            rate = (manifest["tokens"] - n0) / (time.time() - t0)
-            log(f"collect: {manifest['tokens']} tokens in {len(manifest['shards'])} shards ({rate:.0f} tokens/s)")
-            if manifest["tokens"] >= n_tokens:
-                return manifest
-            shard = _ShardWriter(directory, len(manifest["shards"]))
-    if shard.n:
-        manifest["shards"].append(shard.close())
-        manifest["tokens"] += shard.n
-        manifest["pieces"] = done_pieces
-        manifest_path.write_text(json.dumps(manifest, indent=1))
-    return manifest
+        top = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+        store.add(ids, torch.cat([out.hidden[l].float() for l in layers], dim=-1), top.indices, top.values)
+    if recipe == "self" and store.tokens < n_tokens:
+        # New answers: their states are kept as the target computes them while answering.
+        from speculant.recording import StateRecorder
+
+        recorder = StateRecorder(target, tuple(layers), top_k, store.add, rows=store.tokens)
+        distill.answer(target, answers, n_tokens, globs, batch=answer_batch, max_tokens=answer_tokens,
+                       spec_types=answer_spec_types, start=answer_from, kind=answer_kind, recorder=recorder, log=log)
+        if recorder.recomputed:
+            log(f"collect: {recorder.recomputed} answers read again (their states were not all kept while answering)")
+    return store.close()
+
+
+class _Collection:
+    """The shards being written into one data directory and its manifest: ``add`` a document's
+    rows; a shard is closed (and the manifest, counting the documents it covers, rewritten)
+    every SHARD_TOKENS rows and at ``close``. A run that dies loses only the open shard: the
+    next one starts again after the last document the manifest counts."""
+
+    def __init__(self, directory: Path, manifest: dict, log):
+        self.directory, self.manifest, self.log = directory, manifest, log
+        self.shard = _ShardWriter(directory, len(manifest["shards"]))
+        self.open_pieces, self.t0, self.n0 = 0, time.time(), manifest["tokens"]
+
+    @property
+    def tokens(self) -> int:
+        return self.manifest["tokens"] + self.shard.n
+
+    @property
+    def pieces(self) -> int:
+        return self.manifest["pieces"] + self.open_pieces
+
+    def add(self, ids, hidden, top_ids, top_p) -> None:
+        self.shard.add(ids, hidden, top_ids, top_p)
+        self.open_pieces += 1
+        if self.shard.n >= SHARD_TOKENS:
+            self._flush()
+            rate = (self.manifest["tokens"] - self.n0) / (time.time() - self.t0)
+            self.log(f"collect: {self.manifest['tokens']} tokens in {len(self.manifest['shards'])} shards ({rate:.0f} tokens/s)")
+
+    def _flush(self) -> None:
+        self.manifest["shards"].append(self.shard.close())
+        self.manifest["tokens"] += self.shard.n
+        self.manifest["pieces"] += self.open_pieces
+        (self.directory / "manifest.json").write_text(json.dumps(self.manifest, indent=1))
+        self.shard, self.open_pieces = _ShardWriter(self.directory, len(self.manifest["shards"])), 0
+
+    def close(self) -> dict:
+        if self.shard.n:
+            self._flush()
+        return self.manifest
 
 
 class Shards:
