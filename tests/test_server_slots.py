@@ -139,6 +139,37 @@ async def test_a_file_restores_into_another_server_and_slot(model, folder):
 
 
 @aiotest
+async def test_a_drafter_on_hidden_states_drafts_after_a_restore(model, folder, tmp_path):
+    """The file carries the EAGLE3 head's states of the saved rows (`export_state`): restored into
+    another server with the same head, the conversation drafts as in the server that saved it."""
+    from speculant.speculator import build_speculators
+    from speculant_eagle3.testing import write_random_head
+    from safetensors import safe_open
+
+    head = write_random_head(tmp_path / "head.gguf", model.info.path, n_draft_vocab=200)[0]
+
+    def engine():
+        spec = build_speculators(["eagle3"], {"seed": 3}, target=model, draft_model=head)
+        return make_engine(model, n_ctx=512, speculators=spec, adaptive=False, draft_n_max=4)
+
+    async with serve(engine(), n_slots=1, slot_save_path=str(folder)) as c:
+        _, first = await post(c, "/completion", completion(A))
+        status, saved = await slot(c, 0, "save", {"filename": "eagle3.bin"})
+        assert status == 200, saved
+        _, kept = await post(c, "/completion", continuation())
+    with safe_open(str(folder / "eagle3.bin"), "pt") as f:
+        assert f.metadata()["spec.eagle3"].startswith("eagle3:")
+        assert f.get_slice("spec.eagle3.states").get_shape()[0] == saved["n_saved"]
+    async with serve(engine(), n_slots=1, slot_save_path=str(folder)) as c:
+        status, restored = await slot(c, 0, "restore", {"filename": "eagle3.bin"})
+        assert status == 200, restored
+        _, warm = await post(c, "/completion", continuation())
+    assert kept["timings"]["draft_n"] > 0 and warm["content"] == kept["content"] == await cold_text(model)
+    assert (warm["timings"]["draft_n"], warm["timings"]["draft_n_accepted"]) == \
+        (kept["timings"]["draft_n"], kept["timings"]["draft_n_accepted"])
+
+
+@aiotest
 async def test_save_overwrites_whole(model, folder):
     async with serve(make_engine(model, n_ctx=512), n_slots=1, slot_save_path=str(folder)) as c:
         await post(c, "/completion", completion(A))

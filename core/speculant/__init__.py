@@ -5,7 +5,7 @@ The public API that plugins import. Everything else in the package is internal.
 from speculant.errors import DeviceUnavailable, LimitError, ModelFileError, SpeculantError
 from speculant.hookspecs import hookimpl, hookspec
 from speculant.constraint import Constraint
-from speculant.types import Batch, Draft, DraftLimits, DraftRequest, ForwardOutput, SequenceView
+from speculant.types import Batch, Draft, DraftLimits, DraftRequest, ForwardOutput, SequenceView, SpeculatorState
 from speculant.model import (Backend, BackendKernels, Context, DecoderLayerSpec, LayerRows, Model, ModelInfo, RecurrentContext,
                              backend_kernel)
 from speculant.context import KVCache
@@ -15,7 +15,7 @@ from speculant.options import float_where, int_in
 __all__ = [
     "Backend", "BackendKernels", "Batch", "Checkpoint", "Constraint", "Context", "DecoderLayerSpec", "DeviceUnavailable", "Draft", "DraftLimits", "DraftRequest", "ForwardOutput", "HybridCache", "KVCache", "LayerRows", "LimitError",
     "Model", "ModelFileError", "ModelInfo", "RecurrentContext", "SequenceView", "SpeculantError",
-    "SpeculatorConfig", "backend_kernel", "float_where", "hookimpl", "hookspec", "int_in", "kv_layers", "load_model",
+    "SpeculatorConfig", "SpeculatorState", "backend_kernel", "float_where", "hookimpl", "hookspec", "int_in", "kv_layers", "load_model",
     "load_model_once",
 ]
 

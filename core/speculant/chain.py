@@ -35,7 +35,7 @@ import torch
 
 from speculant import hookspecs
 from speculant.logs import get_logger
-from speculant.types import Draft, DraftLimits, DraftRequest, SequenceView
+from speculant.types import Draft, DraftLimits, DraftRequest, SequenceView, SpeculatorState
 
 log = get_logger(__name__)
 
@@ -157,7 +157,7 @@ _HUNG = object()  # what _run returns for an abandoned call
 MAX_QUARANTINES = 3  # the third quarantine of a speculator is for good
 
 # Hooks that run where a speculator may catch up on a whole prompt: held to the grace, not the deadline.
-_GRACE_HOOKS = frozenset({"begin", "truncate", "prefill"})
+_GRACE_HOOKS = frozenset({"begin", "truncate", "prefill", "export_state", "import_state"})
 # Hooks whose first call for a sequence since its begin or truncate gets the grace too.
 _FIRST_HOOKS = frozenset({"propose", "propose_batch", "accept"})
 # Seconds the grace grows by per token of the call's sequences (all of them, for propose_batch):
@@ -287,7 +287,8 @@ class SpeculatorChain:
         self.pm.check_pending()
         self.hook = self.pm.hook
         self.hook_seconds = 0.0  # time spent inside hook dispatch and speculators, for the overhead check
-        hooks = ("begin", "propose", "propose_batch", "accept", "prefill", "truncate", "checkpoint", "end")
+        hooks = ("begin", "propose", "propose_batch", "accept", "prefill", "truncate", "checkpoint", "export_state",
+                 "import_state", "end")
         self._slots: list[_Slot] = []
         for i, spec in enumerate(self.speculators):
             name = getattr(spec, "spec_type", type(spec).__name__)
@@ -564,6 +565,47 @@ class SpeculatorChain:
 
     def checkpoint(self, seq: SequenceView, action: str) -> None:
         self._call("checkpoint", (seq.seq_id,), seq=seq, action=action)
+
+    def on_hidden_states(self) -> list[str]:
+        """The spec types (not quarantined) that draft from the target's hidden states."""
+        return [s.name for s in self._slots if not s.quarantined and getattr(s.spec, "hidden_layers", ())]
+
+    def export_states(self, seq_id: int, n: int) -> dict[str, SpeculatorState]:
+        """Each speculator's ``export_state`` of sequence `seq_id`'s first n positions, by spec
+        type. One that raises or hangs is left out (logged): a slot file is still written,
+        without its state."""
+        out = {}
+        for slot in self._slots:
+            if slot.quarantined or "export_state" not in slot.hooks:
+                continue
+            res = self._run(slot, "export_state", [(dict(seq_id=seq_id, n=n), (seq_id,))])
+            if res is _HUNG:
+                continue
+            ok, value, _ = res[0]
+            if not ok:
+                log.warning("export_state_failed", spec_type=slot.name, error=f"{type(value).__name__}: {value}")
+                self._error(value)  # a KeyboardInterrupt is the user's: raised
+            elif isinstance(value, SpeculatorState):
+                out[slot.name] = value
+        return out
+
+    def import_states(self, seq: SequenceView, states: dict[str, SpeculatorState], n: int) -> set[str]:
+        """Hand each speculator its spec type's state of `states` (after ``begin``); the spec types
+        that took theirs. A speculator that raises stops the call, as ``begin`` does."""
+        taken = set()
+        for slot in self._slots:
+            state = states.get(slot.name)
+            if state is None or slot.quarantined or "import_state" not in slot.hooks:
+                continue
+            res = self._run(slot, "import_state", [(dict(seq=seq, state=state, n=n), (seq.seq_id,))])
+            if res is _HUNG:
+                continue
+            ok, value, _ = res[0]
+            if not ok:
+                raise self._error(value)
+            if value:
+                taken.add(slot.name)
+        return taken
 
     def end(self, seq_id: int) -> None:
         self._asked.pop(seq_id, None)

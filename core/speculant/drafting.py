@@ -16,15 +16,18 @@ never read, and a long prompt's catch-up writes its last W rows alone (:func:`sk
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
 
 import attrs
 import torch
 
-from speculant.types import Draft, DraftLimits, SequenceView
+from speculant.types import Draft, DraftLimits, SequenceView, SpeculatorState
 
-__all__ = ["DraftChain", "PositionStates", "committed_rows", "draft_generator", "pick_token", "skip_unread_rows",
-           "store_encoded_taps", "trained_window"]
+__all__ = ["DraftChain", "PositionStates", "committed_rows", "draft_generator", "export_positions", "file_key",
+           "import_positions", "pick_token", "skip_unread_rows", "store_encoded_taps", "trained_window"]
 
 TRAINING_KEY = "speculant.training"  # what `speculant train` records about a head's training (JSON)
 
@@ -110,6 +113,42 @@ def store_encoded_taps(state: PositionStates, start: int, hidden: dict, taps: tu
         hi = min(n_valid, lo + ENCODE_ROWS)
         if not state.put(start + lo, encode(torch.cat([hidden[layer][lo:hi] for layer in taps], dim=-1))):
             return
+
+
+def export_positions(state: PositionStates | None, n: int, key: str) -> SpeculatorState | None:
+    """A copy of the states of positions [0, n) (an ``export_state`` hook's answer), None where
+    fewer are held. The head's KV rows are not taken: the next proposal writes them again from
+    the states, as after a cold prefill."""
+    if state is None or state.n < n or n <= 0:
+        return None
+    return SpeculatorState(key, {"states": state.data[:n].clone()})
+
+
+def import_positions(state: PositionStates, saved: SpeculatorState, n: int, key: str) -> bool:
+    """Put the first n positions of an exported state into a sequence's fresh `state` (an
+    ``import_state`` hook); False, taking nothing, where the key or the shape does not fit."""
+    rows = saved.tensors.get("states")
+    if (saved.key != key or not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != state.width
+            or len(rows) < n or not rows.dtype.is_floating_point):
+        return False
+    state.cut(0)
+    return n <= 0 or state.put(0, rows[:n])
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(path: str, size: int, mtime: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def file_key(kind: str, path: str) -> str:
+    """A state key for states a head's weights made (its encoding of the target's hidden
+    states): the kind and the digest of the head's file (read once per file, ~0.1 s for 50 MB)."""
+    st = os.stat(path)
+    return f"{kind}:{_digest(os.path.realpath(path), st.st_size, st.st_mtime_ns)}"
 
 
 def trained_window(metadata: dict) -> int:

@@ -21,7 +21,7 @@ from speculant.errors import LimitError
 from speculant.logs import get_logger
 from speculant.model import Model
 from speculant.sampling import Sampler, SamplingParams, token_logprobs
-from speculant.types import Batch, Draft, DraftLimits, DraftRequest, SequenceView, TokenLogprob
+from speculant.types import Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculatorState, TokenLogprob
 from speculant.verify import verify
 
 log = get_logger(__name__)
@@ -228,6 +228,9 @@ class CachedPrompt:
     # The target's hidden states of its rows, {layer: tensor of len(tokens) rows} (`Engine.adopt`):
     # speculators on hidden states get them through `prefill` when a request continues from it.
     hidden: dict[int, Any] | None = None
+    # The speculators' own states of its rows, by spec type (`Engine.adopt`, from a slot file):
+    # each takes its own through `import_state` when a request continues from it.
+    spec_states: dict[str, SpeculatorState] | None = None
 
     def common_prefix(self, prompt: list[int]) -> int:
         """How many leading tokens of `prompt` this entry holds."""
@@ -356,9 +359,12 @@ class Engine:
             hidden = self._adopted_hidden(cached, n_reused)
             if hidden:
                 self._spec_call(seq, self.chain.prefill, seq.view(), 0, hidden)
-            elif self.chain.hidden_layers:
-                log.warning("adopted_without_hidden_states", seq=seq_id, layers=list(self.chain.hidden_layers),
-                            effect="speculators on hidden states draft nothing for this sequence")
+            else:
+                taken = self._spec_call(seq, self.chain.import_states, seq.view(), cached.spec_states or {}, n_reused) or set()
+                lacking = [t for t in self.chain.on_hidden_states() if t not in taken]
+                if lacking:
+                    log.warning("adopted_without_hidden_states", seq=seq_id, layers=list(self.chain.hidden_layers),
+                                spec_types=lacking, effect="these speculators draft nothing for this sequence")
         return seq
 
     def _adopted_hidden(self, cached: CachedPrompt, n: int) -> dict:
@@ -445,14 +451,16 @@ class Engine:
         return CachedPrompt(seq.seq_id, tuple(seq.tokens[: seq.n_cached]), seq.row_prompts, seq.checkpoints, self._nbytes(seq.seq_id))
 
     def adopt(self, tokens: list[int], row_prompts: tuple[tuple[int, int], ...], state: dict,
-              hidden: dict[int, Any] | None = None) -> CachedPrompt:
+              hidden: dict[int, Any] | None = None, spec_states: dict[str, SpeculatorState] | None = None) -> CachedPrompt:
         """An entry from a target state saved elsewhere (`context.get_state` of an entry with these
         tokens and row_prompts, e.g. read back from a file). ValueError if it does not fit.
 
         `hidden`: the target's hidden states of the same rows, {layer: one row per token}, as
         `Model.forward(hidden_layers=)` numbers and computes them. A speculator on hidden states
         (EAGLE3, MTP, DFlash) gets nothing from a state alone and would not draft for the adopted
-        rows; with them it gets, through `prefill`, what a cold start's prefill hands it."""
+        rows; with them it gets, through `prefill`, what a cold start's prefill hands it.
+        `spec_states` (`speculator_states` of the entry saved): the speculators' own states of the
+        same rows, each handed to its spec type through `import_state` (where `hidden` is not given)."""
         if self.recurrent or not hasattr(self.context, "set_state"):
             raise ValueError("this model's state cannot be loaded")
         for layer, rows in (hidden or {}).items():
@@ -467,7 +475,19 @@ class Engine:
             self.context.drop(seq_id)
             raise
         return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id), speculators_synced=False,
-                            hidden=dict(hidden) if hidden else None)
+                            hidden=dict(hidden) if hidden else None, spec_states=dict(spec_states) if spec_states else None)
+
+    def speculator_states(self, cached: CachedPrompt) -> dict[str, SpeculatorState]:
+        """The speculators' own states of an entry's rows, by spec type, to be saved beside the
+        target's (`export_state`; what `adopt` takes back as `spec_states`). An entry adopted and
+        not yet continued gives back what it was adopted with."""
+        if not cached.speculators_synced:
+            return dict(cached.spec_states or {})
+        try:
+            return self.chain.export_states(cached.seq_id, len(cached.tokens))
+        except Exception as e:  # the entry is saved without them
+            log.warning("export_state_failed", error=f"{type(e).__name__}: {e}")
+            return {}
 
     def copy_cached(self, cached: CachedPrompt, n: int) -> CachedPrompt | None:
         """A new entry holding a copy of `cached`'s first n rows, `cached` untouched: a request that

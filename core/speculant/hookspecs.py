@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import pluggy
 
-from speculant.types import Draft, DraftLimits, DraftRequest, SequenceView
+from speculant.types import Draft, DraftLimits, DraftRequest, SequenceView, SpeculatorState
 
 hookspec = pluggy.HookspecMarker("speculant")
 hookimpl = pluggy.HookimplMarker("speculant")
@@ -157,6 +157,24 @@ class SpeculatorSpec:
         """``action`` is "save", "restore" or "discard": keep speculator state in step with a
         target whose state cannot be truncated (recurrent layers). "restore" returns to the
         state of the last "save"."""
+
+    @hookspec(firstresult=True)
+    def export_state(self, seq_id: int, n: int) -> SpeculatorState | None:
+        """Optional: a copy of what you keep for the first ``n`` positions of sequence ``seq_id``
+        (a finished request's state, held by the prompt cache), so that a slot file carries it
+        beside the target's rows (llama-server's ``/slots?action=save``). Return None where you
+        rebuild everything from the tokens in ``begin`` (an n-gram index), or hold less than ``n``
+        positions. A drafter on hidden states must implement it and ``import_state``: a restored
+        slot hands the target's rows but no hidden states, and without its own it drafts nothing
+        for that conversation. Set the state's ``key`` to what the tensors are valid for."""
+
+    @hookspec(firstresult=True)
+    def import_state(self, seq: SequenceView, state: SpeculatorState, n: int) -> bool | None:
+        """A request continues from a state read back from a slot file: ``begin`` was called with
+        ``seq``, and ``state`` is what your ``export_state`` returned in the process that saved
+        it. Take its first ``n`` positions (the new request shares only those with the file)
+        and return True; return False, taking nothing, where ``state.key`` is not yours or the
+        tensors do not fit."""
 
     @hookspec
     def end(self, seq_id: int) -> None:

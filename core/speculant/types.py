@@ -132,6 +132,17 @@ class DraftRequest:
 
 
 @attrs.frozen
+class SpeculatorState:
+    """What a speculator keeps for the first positions of a sequence, taken out of it to be put
+    into another process (a slot file): tensors of the speculator's own naming, and `key`, what
+    they are valid for (a head's states are its encoding of the target's: they fit only the same
+    head). A speculator takes back a state whose key is its own."""
+
+    key: str
+    tensors: dict = attrs.field(eq=False)
+
+
+@attrs.frozen
 class SequenceView:
     """What a speculator sees of a sequence: its id, full token history (prompt + generated),
     how many of those tokens were the prompt, and the temperature the target samples it at (0:

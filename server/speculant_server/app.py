@@ -754,7 +754,7 @@ async def slot_action(request: web.Request):
         else:
             try:
                 snap, n_bytes = await _blocking(slot_files.read, path, filename, meta, int(meta["n_vocab"]),
-                                                slot_files.max_file_bytes(state.engine.context))
+                                                slot_files.max_file_bytes(state.engine.context, int(meta["n_embd"] or 0)))
             except FileNotFoundError:
                 raise ApiError(404, f"there is no slot file '{filename}' in the --slot-save-path folder") from None
             n = await _on_engine(state, lambda: slot_files.install(worker, slot, snap, filename))

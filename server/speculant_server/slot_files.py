@@ -7,6 +7,9 @@ cannot run code when it is loaded (unlike pickle):
 - ``row_prompts``: int64 [k, 2], the entry's (first row, prompt length) runs, which tell the
   engine which rows a new request can reuse and still compute exactly as a cold start;
 - ``k.L``, ``v.L``: the target's K and V rows of layer L (``KVCache.get_state``);
+- ``spec.TYPE.NAME``: what speculator TYPE keeps for those rows (its ``export_state``; a drafter on
+  hidden states cannot rebuild it from the tokens), with metadata ``spec.TYPE``, the state's key
+  (what it is valid for: a speculator takes back only a state of its own key);
 - metadata: ``format`` (``FORMAT``), the model it was saved from (``model``, ``architecture``,
   ``n_layers``, ``n_embd``, ``n_vocab``) and ``sha256``, a digest of the tensor data, since
   safetensors checks the header's shape but nothing of the data itself.
@@ -27,11 +30,13 @@ from typing import Any
 import attrs
 import torch
 
+from speculant import SpeculatorState
 from speculant_server.protocol import ApiError, bad
 
 FORMAT = "speculant-slot-1"
 NAME_MAX = 255  # bytes, as most file systems allow
 MODEL_KEYS = ("model", "architecture", "n_layers", "n_embd", "n_vocab")
+SPEC_PREFIX = "spec."  # tensor names and metadata keys of the speculators' states
 
 
 class SlotFileError(Exception):
@@ -43,6 +48,7 @@ class Snapshot:
     tokens: list[int]
     row_prompts: tuple[tuple[int, int], ...]
     state: dict[str, torch.Tensor]
+    spec_states: dict[str, SpeculatorState] = attrs.field(factory=dict)
 
 
 # --- names ----------------------------------------------------------------------------------------
@@ -87,12 +93,17 @@ def model_meta(model) -> dict[str, str]:
             "n_vocab": str(getattr(info, "n_vocab", None) or model.tokenizer.n_vocab)}
 
 
-def max_file_bytes(context) -> int | None:
-    """The largest file a state of this context can make (None: unknown): files beyond it are not
-    read into memory."""
+# Bytes a token the speculators' states may add to a file, per value of the target's width: room
+# for a few float32 rows (a hidden-state drafter keeps one float16 row a position).
+SPEC_BYTES_PER_EMBD = 16
+
+
+def max_file_bytes(context, n_embd: int = 0) -> int | None:
+    """The largest file a state of this context can make (None: unknown), with room for the
+    speculators' states of a target `n_embd` wide: files beyond it are not read into memory."""
     try:
         per_token = context.n_layers * context.n_kv_heads * (context.head_dim + (context.v_head_dim or context.head_dim))
-        return context.max_tokens * (per_token * max(4, context.dtype.itemsize) + 4 + 16) + (1 << 20)
+        return context.max_tokens * (per_token * max(4, context.dtype.itemsize) + 4 + 16 + SPEC_BYTES_PER_EMBD * n_embd) + (1 << 20)
     except (AttributeError, TypeError):
         return None
 
@@ -114,14 +125,14 @@ def snapshot(worker, slot: int) -> Snapshot:
     state = worker.engine.context.get_state(entry.seq_id)
     # A copy: the slot's next request may overwrite these rows while the file is being written.
     state = {k: v[:, :n].to("cpu", copy=True).contiguous() for k, v in state.items()}
-    return Snapshot(list(entry.tokens), tuple(entry.row_prompts), state)
+    return Snapshot(list(entry.tokens), tuple(entry.row_prompts), state, worker.engine.speculator_states(entry))
 
 
 def install(worker, slot: int, snap: Snapshot, filename: str) -> int:
     """Put a state read from a file into the slot (engine thread); its token count."""
     _idle(worker, slot)
     try:
-        entry = worker.engine.adopt(snap.tokens, snap.row_prompts, snap.state)
+        entry = worker.engine.adopt(snap.tokens, snap.row_prompts, snap.state, spec_states=snap.spec_states)
     except ValueError as e:
         raise bad(f"'{filename}' does not fit this server's model: {e}") from None
     worker.cache.put(slot, entry)
@@ -149,6 +160,9 @@ def write(path: str, snap: Snapshot, meta: dict[str, str]) -> int:
     tensors = {"tokens": torch.tensor(snap.tokens, dtype=torch.int32),
                "row_prompts": torch.tensor(snap.row_prompts, dtype=torch.int64).reshape(-1, 2), **snap.state}
     meta = {"format": FORMAT, **meta}
+    for spec_type, saved in snap.spec_states.items():
+        meta[f"{SPEC_PREFIX}{spec_type}"] = saved.key
+        tensors.update({f"{SPEC_PREFIX}{spec_type}.{name}": t.contiguous() for name, t in saved.tensors.items()})
     # The digest covers the data, which goes in the header: serialize twice (the data part does
     # not depend on the metadata).
     digest = hashlib.sha256(_payload(save(tensors, meta))).hexdigest()
@@ -200,10 +214,10 @@ def read(path: str, filename: str, meta: dict[str, str], n_vocab: int, max_bytes
         raise SlotFileError(f"'{filename}' was saved from another model: " + "; ".join(differ))
     if hashlib.sha256(_payload(data)).hexdigest() != saved.get("sha256"):
         raise SlotFileError(f"'{filename}' is corrupted: its tensor data does not match its checksum")
-    return _snapshot_of(tensors, filename, n_vocab), size
+    return _snapshot_of(tensors, filename, n_vocab, saved), size
 
 
-def _snapshot_of(tensors: dict[str, torch.Tensor], filename: str, n_vocab: int) -> Snapshot:
+def _snapshot_of(tensors: dict[str, torch.Tensor], filename: str, n_vocab: int, meta: dict) -> Snapshot:
     def corrupt(why: str) -> SlotFileError:
         return SlotFileError(f"'{filename}' is corrupted: {why}")
 
@@ -221,10 +235,16 @@ def _snapshot_of(tensors: dict[str, torch.Tensor], filename: str, n_vocab: int) 
     if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] > len(tokens) \
             or any(n < 1 for _, n in row_prompts):
         raise corrupt("'row_prompts' is not a list of runs from row 0 in increasing order")
-    state = {k: v for k, v in tensors.items() if k not in ("tokens", "row_prompts")}
+    spec_states: dict[str, SpeculatorState] = {}
+    for key, value in meta.items():  # the speculators' states: what they hold is theirs to check
+        if key.startswith(SPEC_PREFIX) and isinstance(value, str):
+            spec_type = key[len(SPEC_PREFIX):]
+            prefix = f"{SPEC_PREFIX}{spec_type}."
+            spec_states[spec_type] = SpeculatorState(value, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    state = {k: v for k, v in tensors.items() if k not in ("tokens", "row_prompts") and not k.startswith(SPEC_PREFIX)}
     if any(not v.is_floating_point() for v in state.values()):
         raise corrupt("a K or V tensor is not floating point")
-    return Snapshot(tokens.tolist(), row_prompts, state)
+    return Snapshot(tokens.tolist(), row_prompts, state, spec_states)
 
 
 def _one_line(e: Exception) -> str:

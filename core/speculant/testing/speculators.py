@@ -313,6 +313,47 @@ class SpeculatorContract:
         again, _ = run(8)
         assert again == outputs[:8], "the same seeds gave different tokens"
 
+    def test_a_restored_state_drafts_as_the_kept_one(self, make, tiny_models):
+        """A speculator that drafts from the target's hidden states implements ``export_state``
+        and ``import_state``: a conversation restored from a slot file (the target's rows, and
+        the speculators' states it exported) drafts exactly as the process that saved it would
+        have. (A speculator on tokens alone rebuilds its state in ``begin`` and needs neither.)"""
+        probe = make()
+        hooks = {h for h in ("export_state", "import_state") if callable(getattr(probe, h, None))}
+        if not getattr(probe, "hidden_layers", ()) and not hooks:
+            return
+        assert hooks == {"export_state", "import_state"}, \
+            "a speculator on hidden states needs export_state and import_state (a restored slot brings no hidden states)"
+
+        def engine():
+            return Engine(tiny_models.target, EngineConfig(n_ctx=512, draft_n_max=4, adaptive=False, spec_deadline=None), [make()])
+
+        def finish(e, seq):
+            while e.active():
+                e.step()
+            assert seq.spec_error is None, f"the speculator raised: {seq.spec_error}"
+            d = seq.stats.drafts
+            return seq.tokens[seq.n_prompt:], (d.drafts, d.drafted, d.accepted), seq.n_reused
+
+        # A first prompt of 64 tokens or more: its rows compute as a longer prompt's do, so that
+        # the next request reuses them (Engine.reusable).
+        prompt = [t for p in tiny_models.prompts for t in p][:96]
+        saving = engine()
+        first = saving.add(prompt, tiny_models.n_new)
+        finish(saving, first)
+        entry = saving.keep(first)
+        states = saving.speculator_states(entry)
+        kv = {k: v[:, : len(entry.tokens)].clone() for k, v in saving.context.get_state(entry.seq_id).items()}
+        follow = list(entry.tokens) + list(tiny_models.prompts[1])
+        kept = finish(saving, saving.add(follow, tiny_models.n_new, cached=entry))
+        assert kept[1][1] > 0, "no draft after the first turn, so this test checks nothing"
+        restored = engine()
+        got = finish(restored, restored.add(follow, tiny_models.n_new,
+                                            cached=restored.adopt(list(entry.tokens), entry.row_prompts, kv, spec_states=states)))
+        assert got[2] > 0 and kept[2] > 0, "the second turn reused none of the first's rows, so this test checks nothing"
+        assert got[:2] == kept[:2], \
+            f"restored from its exported state it drafted {got[1]} (drafts, tokens, accepted), kept {kept[1]}"
+
     # --- the suite itself ------------------------------------------------------------------------
     def test_contract_declarations(self, speculator_class):
         """contract_xfail names real contract tests, each with a reason."""

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from speculant import Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, hookimpl, load_model_once
-from speculant.drafting import PositionStates, committed_rows, draft_generator, store_encoded_taps
+from speculant import (Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, SpeculatorState, hookimpl,
+                       load_model_once)
+from speculant.drafting import (PositionStates, committed_rows, draft_generator, export_positions, file_key,
+                                import_positions, store_encoded_taps)
 from speculant.speculator import SpeculatorConfig
 
 from speculant_dflash.head import DFlashHead
@@ -64,6 +66,7 @@ class DFlash:
         if target is None:
             raise SpeculantError(f"spec type {config.spec_type} needs the target model")
         self.head = load_head(config.draft_model, config.backend, config.option("threads", None))
+        self.head_path = config.draft_model
         c = self.head.config
         n_layers = target.info.n_layers
         if c.n_embd != target.info.n_embd:
@@ -127,6 +130,15 @@ class DFlash:
         state = self.seqs.get(seq.seq_id)
         if state is not None:
             state.cut(n)
+
+    # Its states are the head's encoding of the target's taps: valid for this head file only.
+    @hookimpl
+    def export_state(self, seq_id: int, n: int) -> SpeculatorState | None:
+        return export_positions(self.seqs.get(seq_id), n, file_key("dflash", self.head_path))
+
+    @hookimpl
+    def import_state(self, seq: SequenceView, state: SpeculatorState, n: int) -> bool:
+        return import_positions(self._state(seq.seq_id), state, n, file_key("dflash", self.head_path))
 
     @hookimpl
     def end(self, seq_id: int) -> None:

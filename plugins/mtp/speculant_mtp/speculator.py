@@ -33,8 +33,10 @@ import threading
 
 import torch
 
-from speculant import Batch, Draft, DraftLimits, DraftRequest, ModelFileError, SequenceView, SpeculantError, hookimpl
-from speculant.drafting import DraftChain, PositionStates, committed_rows, draft_generator, pick_token, skip_unread_rows
+from speculant import (Batch, Draft, DraftLimits, DraftRequest, ModelFileError, SequenceView, SpeculantError,
+                       SpeculatorState, hookimpl)
+from speculant.drafting import (DraftChain, PositionStates, committed_rows, draft_generator, export_positions,
+                                import_positions, pick_token, skip_unread_rows)
 from speculant.speculator import SpeculatorConfig
 
 from speculant_mtp.head import MtpHead
@@ -149,6 +151,15 @@ class Mtp:
         state = self.seqs.get(seq.seq_id)
         if state is not None:
             state.cut(n)
+
+    # Its states are the target's own final-normed rows: valid for any head on this target.
+    @hookimpl
+    def export_state(self, seq_id: int, n: int) -> SpeculatorState | None:
+        return export_positions(self.seqs.get(seq_id), n, f"hidden:{self.hidden_layers[0]}")
+
+    @hookimpl
+    def import_state(self, seq: SequenceView, state: SpeculatorState, n: int) -> bool:
+        return import_positions(self._state(seq.seq_id), state, n, f"hidden:{self.hidden_layers[0]}")
 
     @hookimpl
     def end(self, seq_id: int) -> None:
