@@ -376,7 +376,7 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     args = ["train", "dflash", "-m", tiny.target_path, "-o", str(out), "--data", str(data), "--source",
             "core/speculant/*.py", "--tokens", "2000", "--piece-tokens", "100", "--batch", "4", "--window", "48",
             "--blocks", "8", "--block-size", "4", "--layers", "2", "--draft-vocab", "200", "--ffn", "64",
-            "--save-every", "5", "--qtype", "F32", "--precision", "fp32", "--lr", "2e-3"]
+            "--save-every", "5", "--qtype", "F32", "--precision", "fp32", "-t", "1", "--lr", "2e-3"]
     assert main(args + ["--steps", "10"]) == 0
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["tokens"] >= 2000 and manifest["taps"] == [1, 2, 3] and manifest["layers"] == [0, 1, 2]

@@ -186,7 +186,7 @@ def test_train_mtp_on_its_own_answers_mixed_with_read_data(tmp_path):
     torch.set_num_threads(1)
     model = write_tiny_model(tmp_path / "qwen2.gguf", "qwen2", n_layers=2, n_embd=64, n_ctx=2048)
     common = ["-m", str(model), "--source", SOURCES[0], "--batch", "2", "--window", "32", "--ffn", "32", "--steps", "4",
-              "--save-every", "2", "--qtype", "F32", "--precision", "fp32", "--train-vocab", "100"]
+              "--save-every", "2", "--qtype", "F32", "--precision", "fp32", "-t", "1", "--train-vocab", "100"]
     read_dir = tmp_path / "read"
     assert main(["train", "mtp", "-o", str(tmp_path / "a.gguf"), "--data", str(read_dir), "--tokens", "400",
                  "--piece-tokens", "100", *common]) == 0
@@ -196,3 +196,21 @@ def test_train_mtp_on_its_own_answers_mixed_with_read_data(tmp_path):
     summary = json.loads(open_gguf(str(out)).metadata["speculant.training"])
     assert summary["recipe"] == "self" and summary["mix"] == [str(read_dir)]
     assert (tmp_path / "self" / "answers.jsonl").exists()
+
+
+def test_training_gets_the_cores_back_from_the_loaded_target():
+    """Loading a target with the native CPU kernels leaves torch one thread; the trainers call
+    training_threads after collecting, which gives torch every core this process may use (or
+    the user's -t)."""
+    import os
+
+    from speculant.training import training_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cores = len(os.sched_getaffinity(0))
+        assert training_threads(None) == cores == torch.get_num_threads()
+        assert training_threads(1) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

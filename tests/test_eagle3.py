@@ -238,7 +238,7 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     data, out = tmp_path / "data", tmp_path / "head.gguf"
     args = ["train", "eagle3", "-m", tiny.target_path, "-o", str(out), "--data", str(data), "--source",
             "core/speculant/*.py", "--tokens", "2000", "--piece-tokens", "100", "--batch", "2", "--window", "32",
-            "--draft-vocab", "200", "--ffn", "64", "--save-every", "5", "--qtype", "F32", "--precision", "fp32"]
+            "--draft-vocab", "200", "--ffn", "64", "--save-every", "5", "--qtype", "F32", "--precision", "fp32", "-t", "1"]
     assert main(args + ["--steps", "10"]) == 0
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["tokens"] >= 2000 and manifest["taps"] == [1, 2, 3]
@@ -265,7 +265,7 @@ def test_train_init_starts_from_a_trained_head(tiny, tmp_path):
     from speculant_eagle3.train.net import Eagle3Net
 
     base = ["-m", tiny.target_path, "--source", "core/speculant/*.py", "--tokens", "800", "--piece-tokens", "100",
-            "--batch", "2", "--window", "32", "--draft-vocab", "200", "--ffn", "64", "--qtype", "F32", "--precision", "fp32"]
+            "--batch", "2", "--window", "32", "--draft-vocab", "200", "--ffn", "64", "--qtype", "F32", "--precision", "fp32", "-t", "1"]
     first = tmp_path / "first.gguf"
     assert main(["train", "eagle3", "-o", str(first), "--data", str(tmp_path / "a"), "--steps", "4", *base]) == 0
     cfg = head_config_for(tiny.target_path, n_draft_vocab=200, n_ff=64, target_layers=(1, 2, 3))

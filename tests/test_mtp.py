@@ -447,7 +447,7 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     data, out = tmp_path / "data", tmp_path / "mtp-tiny.gguf"
     args = ["train", "mtp", "-m", tiny.q2_path, "-o", str(out), "--data", str(data), "--source", "core/speculant/*.py",
             "--tokens", "2000", "--piece-tokens", "100", "--batch", "4", "--window", "64", "--ffn", "64", "--lr", "3e-3",
-            "--save-every", "20", "--qtype", "F32", "--precision", "fp32", "--train-vocab", "200"]
+            "--save-every", "20", "--qtype", "F32", "--precision", "fp32", "-t", "1", "--train-vocab", "200"]
     assert main(args + ["--steps", "20"]) == 0
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["tokens"] >= 2000 and manifest["layers"] == [4]  # the final-normed state

@@ -46,7 +46,7 @@ from speculant.sources import default_sources, source_files
 from speculant.types import Batch
 
 __all__ = ["ASKS", "LANGS", "RECIPES", "SHARD_TOKENS", "add_recipe_arguments", "recipe_options", "TOP_K", "Shards", "bf16_default", "collect", "default_sources", "eog_ids",
-           "pieces", "source_files", "split", "target_tensor"]
+           "pieces", "source_files", "split", "target_tensor", "training_threads"]
 
 SHARD_TOKENS = 16384
 RECIPES = ("read", "self")
@@ -293,6 +293,17 @@ def target_tensor(path: str, name: str) -> torch.Tensor | None:
 
     t = open_gguf(path).tensors.get(name)
     return None if t is None else dequantize(t.data, t.qtype, t.shape)
+
+
+def training_threads(threads: int | None) -> int:
+    """Give torch the cores for training (`threads`, default every core this process may use) and
+    return how many. Loading the target leaves torch one thread (the CPU backend's kernels bring
+    their own, see speculant_cpu), so a trainer that loaded it to collect data would otherwise
+    train on one core."""
+    if not threads:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, threads))
+    return torch.get_num_threads()
 
 
 def bf16_default() -> bool:

@@ -12,7 +12,7 @@ import sys
 import time
 
 from speculant.options import int_in
-from speculant.training import add_recipe_arguments, recipe_options
+from speculant.training import add_recipe_arguments, recipe_options, training_threads
 
 DEFAULT_BLOCK = 8
 
@@ -92,6 +92,7 @@ def run(args) -> int:
                        tag={"taps": list(cfg.target_layers)}, **recipe_options(args), log=log)
     log(f"data: {manifest['tokens']} tokens, {len(manifest['shards'])} shards in {args.data}")
     del target
+    training_threads(args.threads)  # loading the target left torch one thread
     always = sorted(set(eog_ids(args.model)))
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
     net, d2t, acc, tau, done = train(

@@ -14,7 +14,7 @@ import sys
 import time
 
 from speculant.options import int_in
-from speculant.training import add_recipe_arguments, recipe_options
+from speculant.training import add_recipe_arguments, recipe_options, training_threads
 
 
 def add_parser(subparsers) -> None:
@@ -75,6 +75,7 @@ def run(args) -> int:
     manifest = collect(target, args.data, args.tokens, sources, (target.info.n_layers,), args.piece_tokens, **recipe_options(args), log=log)
     log(f"data: {manifest['tokens']} tokens, {len(manifest['shards'])} shards in {args.data}")
     del target
+    training_threads(args.threads)  # loading the target left torch one thread
     embed, lm_head = target_parts(args.model)
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
     net, vocab, acc, done = train(cfg, embed, lm_head, args.model, args.data, total_steps=args.steps, batch=args.batch,
