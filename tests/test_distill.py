@@ -145,10 +145,13 @@ def test_states_kept_while_answering_equal_the_target_reading_the_answers_again(
         np.testing.assert_allclose(r["hidden"].astype(np.float32), a["hidden"][:-1].astype(np.float32), atol=2e-3, rtol=1e-2)
         assert (r["top_ids"][:, 0] == a["top_ids"][:-1, 0]).mean() > 0.98
         np.testing.assert_allclose(r["top_p"][:, 0].astype(np.float32), a["top_p"][:-1, 0].astype(np.float32), atol=2e-3)
-    # An answer row's recorded top-1 is the token the target answered with.
+    # An answer row's recorded top-1 is the token the target answered with; the answers are the
+    # target's greedy answers, decoded alone (the recorder drafts nothing).
     for r, row in zip(recorded, (json.loads(line) for line in open(answers))):
         n_prompt = len(row["prompt"])
         assert r["top_ids"][n_prompt - 1:, 0].tolist() == row["answer"][: len(r["tokens"]) - n_prompt + 1]
+        alone = Engine(tiny, EngineConfig(n_ctx=1024, spec_deadline=None))
+        assert list(alone.generate(row["prompt"], 16)) == row["answer"]
     # A run that died with its last shard open: the next one reads those answers back, in order.
     monkeypatch.setattr(training, "SHARD_TOKENS", 600)
     directory = tmp_path / "kept-small"
