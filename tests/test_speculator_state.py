@@ -98,6 +98,17 @@ def test_a_state_is_taken_back_only_by_its_own_kind_of_speculator(tiny):
                                                                                        kv, spec_states=given)))
         assert drafts.drafted == 0, why
         assert [e["spec_types"] for e in logs if e["event"] == "adopted_without_hidden_states"] == [["eagle3"]], why
+    # Saved under an alias (draft-mtp for mtp): the state's key decides, not the name.
+    saving = engine_with(tiny, "mtp", "mtp")
+    mtp_entry = first_turn(saving, prompt)
+    aliased = {"draft-mtp": saving.speculator_states(mtp_entry)["mtp"]}
+    mtp_kv = {k: v[:, : len(mtp_entry.tokens)].clone() for k, v in saving.context.get_state(mtp_entry.seq_id).items()}
+    mtp_follow = list(mtp_entry.tokens) + [5, 6, 7]
+    kept = finish(saving, saving.add(mtp_follow, 6, cached=mtp_entry))
+    engine = engine_with(tiny, "mtp", "mtp")
+    restored = finish(engine, engine.add(mtp_follow, 6, cached=engine.adopt(list(mtp_entry.tokens), mtp_entry.row_prompts,
+                                                                            mtp_kv, spec_states=aliased)))
+    assert restored[0] == kept[0] and restored[1].drafted == kept[1].drafted > 0
     # A request that shares only part of the saved rows takes that part.
     engine = engine_with(tiny, "eagle3", "eagle3")
     short = list(entry.tokens[:60]) + [9, 9, 9, 9]

@@ -590,21 +590,25 @@ class SpeculatorChain:
         return out
 
     def import_states(self, seq: SequenceView, states: dict[str, SpeculatorState], n: int) -> set[str]:
-        """Hand each speculator its spec type's state of `states` (after ``begin``); the spec types
-        that took theirs. A speculator that raises stops the call, as ``begin`` does."""
+        """Offer each speculator the states of `states` (after ``begin``), its own spec type's
+        first, then the others (saved under an alias, e.g. draft-mtp for mtp: the state's key
+        decides), until it takes one; the spec types that took one. A speculator that raises
+        stops the call, as ``begin`` does."""
         taken = set()
         for slot in self._slots:
-            state = states.get(slot.name)
-            if state is None or slot.quarantined or "import_state" not in slot.hooks:
+            if slot.quarantined or "import_state" not in slot.hooks:
                 continue
-            res = self._run(slot, "import_state", [(dict(seq=seq, state=state, n=n), (seq.seq_id,))])
-            if res is _HUNG:
-                continue
-            ok, value, _ = res[0]
-            if not ok:
-                raise self._error(value)
-            if value:
-                taken.add(slot.name)
+            offers = sorted(states.items(), key=lambda item: item[0] != slot.name)
+            for _, state in offers:
+                res = self._run(slot, "import_state", [(dict(seq=seq, state=state, n=n), (seq.seq_id,))])
+                if res is _HUNG:
+                    break
+                ok, value, _ = res[0]
+                if not ok:
+                    raise self._error(value)
+                if value:
+                    taken.add(slot.name)
+                    break
         return taken
 
     def end(self, seq_id: int) -> None:
