@@ -24,7 +24,8 @@ import torch
 
 from speculant.drafting import PositionStates, committed_rows
 from speculant.hookspecs import hookimpl
-from speculant.types import Batch, Draft, SequenceView
+from speculant.training import read_back
+from speculant.types import Draft, SequenceView
 
 # Rows put through the output head at once: the 1.5B's logits of 128 rows are 78 MB of floats.
 PIECE_ROWS = 128
@@ -96,11 +97,11 @@ class StateRecorder:
         n = len(ids)
         taps, final = self.seqs.pop(seq_id, (None, None))
         if taps is None or taps.n < n:
-            hidden, normed = self._forward(ids)
+            hidden, top_ids, top_p = read_back(self.target, self.target.new_context(n + 1), ids, self.layers, self.top_k)
             self.recomputed += 1
         else:
-            hidden, normed = taps.data[:n], final.data[:n]
-        top_ids, top_p = self._top(normed)
+            hidden = taps.data[:n]
+            top_ids, top_p = self._top(final.data[:n])
         self.sink(ids, hidden, top_ids, top_p)
         self.rows += n
         return n
@@ -113,10 +114,3 @@ class StateRecorder:
             ids.append(top.indices)
             probs.append(top.values)
         return torch.cat(ids), torch.cat(probs)
-
-    def _forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of `ids` as a prompt through the target (the old way, for an answer whose rows
-        the recorder lacks)."""
-        context = self.target.new_context(len(ids) + 1)
-        out = self.target.forward(Batch.for_sequence(0, 0, ids, logits="none"), context, hidden_layers=self.hidden_layers)
-        return torch.cat([out.hidden[l].float() for l in self.layers], dim=-1), out.hidden[self.final].float()

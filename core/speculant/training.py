@@ -46,7 +46,7 @@ from speculant.sources import default_sources, source_files
 from speculant.types import Batch
 
 __all__ = ["ASKS", "LANGS", "RECIPES", "SHARD_TOKENS", "add_recipe_arguments", "recipe_options", "TOP_K", "Shards", "bf16_default", "collect", "default_sources", "eog_ids",
-           "pieces", "source_files", "split", "target_tensor", "training_threads"]
+           "pieces", "source_files", "split", "read_back", "target_tensor", "training_threads"]
 
 SHARD_TOKENS = 16384
 RECIPES = ("read", "self")
@@ -161,7 +161,6 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
         raise ValueError(f"{data_dir} holds the target's top {manifest.get('top_k')}, this collection wants {top_k}")
     if manifest["tokens"] >= n_tokens:
         return manifest
-    wanted = tuple(sorted(set(layers)))
     files = source_files(globs)
     if not files:
         raise ValueError(f"no source files match {globs}")
@@ -182,10 +181,7 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
             break
         if k < store.pieces:
             continue
-        out = target.forward(Batch.for_sequence(0, 0, ids, logits="all"), context, hidden_layers=wanted)
-        context.drop(0)
-        top = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
-        store.add(ids, torch.cat([out.hidden[l].float() for l in layers], dim=-1), top.indices, top.values)
+        store.add(ids, *read_back(target, context, ids, layers, top_k))
     if recipe == "self" and store.tokens < n_tokens:
         # New answers: their states are kept as the target computes them while answering.
         from speculant.recording import StateRecorder
@@ -196,6 +192,15 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
         if recorder.recomputed:
             log(f"collect: {recorder.recomputed} answers read again (their states were not all kept while answering)")
     return store.close()
+
+
+def read_back(target, context, ids: list[int], layers: tuple[int, ...], top_k: int):
+    """`ids` read by the target as a prompt (sequence 0 of `context`, dropped after): the states
+    of `layers` side by side, and the top `top_k` next tokens and their probabilities, per row."""
+    out = target.forward(Batch.for_sequence(0, 0, ids, logits="all"), context, hidden_layers=tuple(sorted(set(layers))))
+    context.drop(0)
+    top = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+    return torch.cat([out.hidden[l].float() for l in layers], dim=-1), top.indices, top.values
 
 
 class _Collection:
