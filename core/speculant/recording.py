@@ -24,8 +24,7 @@ import torch
 
 from speculant.drafting import PositionStates, committed_rows
 from speculant.hookspecs import hookimpl
-from speculant.training import read_back
-from speculant.types import Draft, SequenceView
+from speculant.types import Batch, Draft, SequenceView
 
 # Rows put through the output head at once: the 1.5B's logits of 128 rows are 78 MB of floats.
 PIECE_ROWS = 128
@@ -114,3 +113,12 @@ class StateRecorder:
             ids.append(top.indices)
             probs.append(top.values)
         return torch.cat(ids), torch.cat(probs)
+
+
+def read_back(target, context, ids: list[int], layers: tuple[int, ...], top_k: int):
+    """`ids` read by the target as a prompt (sequence 0 of `context`, dropped after): the states
+    of `layers` side by side, and the top `top_k` next tokens and their probabilities, per row."""
+    out = target.forward(Batch.for_sequence(0, 0, ids, logits="all"), context, hidden_layers=tuple(sorted(set(layers))))
+    context.drop(0)
+    top = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+    return torch.cat([out.hidden[l].float() for l in layers], dim=-1), top.indices, top.values

@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speculant.recording import StateRecorder, read_back
 from speculant.sources import default_sources, source_files
-from speculant.types import Batch
 
 __all__ = ["ASKS", "LANGS", "RECIPES", "SHARD_TOKENS", "add_recipe_arguments", "recipe_options", "TOP_K", "Shards", "bf16_default", "collect", "default_sources", "eog_ids",
            "pieces", "source_files", "split", "read_back", "target_tensor", "training_threads"]
@@ -184,23 +184,12 @@ def collect(target, data_dir: str, n_tokens: int, globs: list[str], layers: tupl
         store.add(ids, *read_back(target, context, ids, layers, top_k))
     if recipe == "self" and store.tokens < n_tokens:
         # New answers: their states are kept as the target computes them while answering.
-        from speculant.recording import StateRecorder
-
         recorder = StateRecorder(target, tuple(layers), top_k, store.add, rows=store.tokens)
         distill.answer(target, answers, n_tokens, globs, batch=answer_batch, max_tokens=answer_tokens,
                        spec_types=answer_spec_types, start=answer_from, kind=answer_kind, recorder=recorder, log=log)
         if recorder.recomputed:
             log(f"collect: {recorder.recomputed} answers read again (their states were not all kept while answering)")
     return store.close()
-
-
-def read_back(target, context, ids: list[int], layers: tuple[int, ...], top_k: int):
-    """`ids` read by the target as a prompt (sequence 0 of `context`, dropped after): the states
-    of `layers` side by side, and the top `top_k` next tokens and their probabilities, per row."""
-    out = target.forward(Batch.for_sequence(0, 0, ids, logits="all"), context, hidden_layers=tuple(sorted(set(layers))))
-    context.drop(0)
-    top = torch.softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
-    return torch.cat([out.hidden[l].float() for l in layers], dim=-1), top.indices, top.values
 
 
 class _Collection:
