@@ -288,7 +288,7 @@ class SpeculatorChain:
         self.hook = self.pm.hook
         self.hook_seconds = 0.0  # time spent inside hook dispatch and speculators, for the overhead check
         hooks = ("begin", "propose", "propose_batch", "accept", "prefill", "truncate", "checkpoint", "export_state",
-                 "import_state", "end")
+                 "import_state", "state_nbytes", "end")
         self._slots: list[_Slot] = []
         for i, spec in enumerate(self.speculators):
             name = getattr(spec, "spec_type", type(spec).__name__)
@@ -610,6 +610,25 @@ class SpeculatorChain:
                     taken.add(slot.name)
                     break
         return taken
+
+    def state_nbytes(self, seq_id: int) -> int:
+        """The bytes the speculators hold for sequence `seq_id`, summed (``state_nbytes``). One
+        that raises or hangs counts 0 (logged): the answer is for the cache's accounting, which
+        must not fail a request."""
+        total = 0
+        for slot in self._slots:
+            if slot.quarantined or "state_nbytes" not in slot.hooks:
+                continue
+            res = self._run(slot, "state_nbytes", [(dict(seq_id=seq_id), (seq_id,))])
+            if res is _HUNG:
+                continue
+            ok, value, _ = res[0]
+            if not ok:
+                log.warning("state_nbytes_failed", spec_type=slot.name, error=f"{type(value).__name__}: {value}")
+                self._error(value)  # a KeyboardInterrupt is the user's: raised
+            elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                total += value
+        return total
 
     def end(self, seq_id: int) -> None:
         self._asked.pop(seq_id, None)

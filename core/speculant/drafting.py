@@ -27,7 +27,7 @@ import torch
 from speculant.types import Draft, DraftLimits, SequenceView, SpeculatorState
 
 __all__ = ["DraftChain", "PositionStates", "committed_rows", "draft_generator", "export_positions", "file_key",
-           "import_positions", "pick_token", "skip_unread_rows", "store_encoded_taps", "trained_window"]
+           "held_bytes", "import_positions", "pick_token", "skip_unread_rows", "store_encoded_taps", "trained_window"]
 
 TRAINING_KEY = "speculant.training"  # what `speculant train` records about a head's training (JSON)
 
@@ -77,6 +77,10 @@ class PositionStates:
         limit = n - self.state_offset if self.token_offset is None else min(n - self.state_offset, n - self.token_offset)
         self.written = min(self.written, max(0, limit))
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
     def rows(self, start: int, end: int) -> torch.Tensor:
         """The states head rows [start, end) read, float32; a position before 0 reads zeros (MTP's
         first row, as llama.cpp's first batch)."""
@@ -85,6 +89,13 @@ class PositionStates:
         if lo < 0:
             out = torch.cat([out.new_zeros(min(-lo, hi - lo), self.width), out])
         return out
+
+
+def held_bytes(context, state: PositionStates | None, seq_id: int) -> int:
+    """What a head holds for one sequence: its KV rows in `context` and its position states
+(a speculator's ``state_nbytes``)."""
+    nbytes = getattr(context, "nbytes", None)
+    return (0 if nbytes is None else nbytes(seq_id)) + (0 if state is None else state.nbytes)
 
 
 def committed_rows(seq: SequenceView, draft: Draft | None, n_accepted: int, hidden: dict, hidden_start: int) -> int:

@@ -223,7 +223,7 @@ class CachedPrompt:
     tokens: tuple[int, ...]  # whose state the target's context holds, in order
     row_prompts: tuple[tuple[int, int], ...]
     checkpoints: list[tuple[int, Any]]
-    n_bytes: int  # the target state's memory (what the server's --cache-ram limit counts)
+    n_bytes: int  # the memory it takes, target and speculators (what the server's --cache-ram limit counts)
     speculators_synced: bool = True  # False: the speculators hold nothing for it (a state loaded from a file)
     # The target's hidden states of its rows, {layer: tensor of len(tokens) rows} (`Engine.adopt`):
     # speculators on hidden states get them through `prefill` when a request continues from it.
@@ -474,7 +474,7 @@ class Engine:
         except Exception:
             self.context.drop(seq_id)
             raise
-        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id), speculators_synced=False,
+        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id, hidden, spec_states), speculators_synced=False,
                             hidden=dict(hidden) if hidden else None, spec_states=dict(spec_states) if spec_states else None)
 
     def speculator_states(self, cached: CachedPrompt) -> dict[str, SpeculatorState]:
@@ -505,10 +505,18 @@ class Engine:
         row_prompts = tuple((a, m) for a, m in cached.row_prompts if a < n)
         return CachedPrompt(seq_id, cached.tokens[:n], row_prompts, [], self._nbytes(seq_id), speculators_synced=False)
 
-    def _nbytes(self, seq_id: int) -> int:
-        """The memory of a sequence's target state (0 where the context cannot say)."""
+    def _nbytes(self, seq_id: int, *held: dict | None) -> int:
+        """The memory a kept sequence takes: its target state (0 where the context cannot say),
+        what the speculators hold for it (their ``state_nbytes``) and the tensors of `held`
+        (an adopted entry's hidden states and speculator states, kept until it is continued)."""
         nbytes = getattr(self.context, "nbytes", None)
-        return 0 if nbytes is None else nbytes(seq_id)
+        total = 0 if nbytes is None else nbytes(seq_id)
+        total += self.chain.state_nbytes(seq_id)
+        for group in held:
+            for value in (group or {}).values():
+                tensors = value.tensors.values() if isinstance(value, SpeculatorState) else [value]
+                total += sum(getattr(t, "nbytes", 0) for t in tensors)
+        return total
 
     def drop_cached(self, cached: CachedPrompt) -> None:
         """Free a kept state (target and speculators)."""

@@ -177,5 +177,14 @@ class SpeculatorSpec:
         tensors do not fit."""
 
     @hookspec
+    def state_nbytes(self, seq_id: int) -> int | None:
+        """Optional: the bytes of memory you hold for sequence ``seq_id`` (a draft model's KV rows,
+        a head's states), capacity included. A finished conversation kept by the prompt cache
+        costs what the target and every speculator hold for it, and the server's ``--cache-ram``
+        limit counts all of it: a drafter that keeps much per token and does not say so lets
+        the cache grow past the limit by that much. Return None (or leave it out) for state
+        too small to count (an n-gram index)."""
+
+    @hookspec
     def end(self, seq_id: int) -> None:
         """The sequence is finished; free what is kept for it."""

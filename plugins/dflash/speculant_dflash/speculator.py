@@ -27,7 +27,7 @@ import torch
 
 from speculant import (Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, SpeculatorState, hookimpl,
                        load_model_once)
-from speculant.drafting import (PositionStates, committed_rows, draft_generator, export_positions, file_key,
+from speculant.drafting import (PositionStates, committed_rows, draft_generator, export_positions, file_key, held_bytes,
                                 import_positions, store_encoded_taps)
 from speculant.speculator import SpeculatorConfig
 
@@ -144,6 +144,10 @@ class DFlash:
     def end(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.context.drop(seq_id)
+
+    @hookimpl
+    def state_nbytes(self, seq_id: int) -> int:
+        return held_bytes(self.context, self.seqs.get(seq_id), seq_id)
 
     # --- drafting ------------------------------------------------------------------------------
     @hookimpl

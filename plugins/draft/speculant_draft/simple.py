@@ -167,6 +167,12 @@ class DraftSimple:
         self.seqs.pop(seq_id, None)
         self.context.drop(seq_id)
 
+    @hookimpl
+    def state_nbytes(self, seq_id: int) -> int | None:
+        """The draft model's KV rows (or recurrent state) kept for the sequence."""
+        nbytes = getattr(self.context, "nbytes", None)
+        return None if nbytes is None else nbytes(seq_id)
+
     # --- helpers -----------------------------------------------------------------------------
     def _sync(self, seq_id: int, state: _Seq, history: tuple[int, ...]) -> tuple[int, ...]:
         """Cut the draft context back to the longest prefix of `history` it holds (leaving at

@@ -25,7 +25,7 @@ import torch
 from speculant import (Batch, Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, SpeculatorState, hookimpl,
                        load_model_once)
 from speculant.drafting import (DraftChain, PositionStates, committed_rows, draft_generator, export_positions, file_key,
-                                import_positions, pick_token, skip_unread_rows, store_encoded_taps)
+                                held_bytes, import_positions, pick_token, skip_unread_rows, store_encoded_taps)
 from speculant.speculator import SpeculatorConfig
 
 from speculant_eagle3.head import Eagle3Head
@@ -140,6 +140,10 @@ class Eagle3:
     def end(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.context.drop(seq_id)
+
+    @hookimpl
+    def state_nbytes(self, seq_id: int) -> int:
+        return held_bytes(self.context, self.seqs.get(seq_id), seq_id)
 
     # --- drafting ------------------------------------------------------------------------------
     @hookimpl

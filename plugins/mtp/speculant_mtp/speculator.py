@@ -36,7 +36,7 @@ import torch
 from speculant import (Batch, Draft, DraftLimits, DraftRequest, ModelFileError, SequenceView, SpeculantError,
                        SpeculatorState, hookimpl)
 from speculant.drafting import (DraftChain, PositionStates, committed_rows, draft_generator, export_positions,
-                                import_positions, pick_token, skip_unread_rows)
+                                held_bytes, import_positions, pick_token, skip_unread_rows)
 from speculant.speculator import SpeculatorConfig
 
 from speculant_mtp.head import MtpHead
@@ -165,6 +165,10 @@ class Mtp:
     def end(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.context.drop(seq_id)
+
+    @hookimpl
+    def state_nbytes(self, seq_id: int) -> int:
+        return held_bytes(self.context, self.seqs.get(seq_id), seq_id)
 
     # --- drafting ------------------------------------------------------------------------------
     @hookimpl
