@@ -20,6 +20,7 @@ Memory: at most 2 states and 3 transitions per token; measured ~0.4 KB per token
 """
 from __future__ import annotations
 
+import sys
 from array import array
 
 
@@ -41,6 +42,12 @@ class SuffixAutomaton:
 
     def __len__(self) -> int:
         return self.n_tokens
+
+    def nbytes(self) -> int:
+        """The memory the automaton takes (its arrays, and each state's transition dict): what a
+        kept conversation's index costs the prompt cache."""
+        return (sys.getsizeof(self.length) + sys.getsizeof(self.link) + sys.getsizeof(self.count)
+                + sys.getsizeof(self.next) + sum(map(sys.getsizeof, self.next)))
 
     # --- building ---------------------------------------------------------------------------
     def start(self) -> None:

@@ -21,6 +21,8 @@ its length (the context size); it is rebuilt only when its history is cut (trunc
 """
 from __future__ import annotations
 
+import sys
+
 from speculant import Draft, DraftLimits, SequenceView, SpeculantError, hookimpl
 
 from speculant_suffix.automaton import SuffixAutomaton
@@ -154,6 +156,12 @@ class SuffixSpeculator:
             st.sync(st.tokens[: st.saved])
         if action != "save":
             st.saved = None
+
+    @hookimpl
+    def state_nbytes(self, seq_id: int) -> int | None:
+        """The sequence's own index and token list (the global index is shared, not its)."""
+        st = self.seqs.get(seq_id)
+        return None if st is None else st.index.nbytes() + sys.getsizeof(st.tokens)
 
     @hookimpl
     def end(self, seq_id: int) -> None:

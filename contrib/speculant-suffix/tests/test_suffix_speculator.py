@@ -91,6 +91,16 @@ def test_no_shared_index():
     assert len(spec.global_index) == 0 and draft(spec, 1, [20, 21]) is None
 
 
+
+def test_state_nbytes_counts_the_sequences_own_index():
+    spec = make()
+    spec.begin(view(0, list(range(50))))
+    small = spec.state_nbytes(0)
+    spec.accept(view(0, list(range(50)) + list(range(100, 600)), 50))
+    assert 0 < small < spec.state_nbytes(0)
+    spec.end(0)  # its output moves to the shared index, which no sequence is charged for
+    assert spec.state_nbytes(0) is None
+
 def test_a_shorter_history_without_truncate_rebuilds():
     spec = make(max_spec_factor=4.0)
     prompt = [1, 2, 3, 4, 5, 1, 2]
