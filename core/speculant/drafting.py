@@ -92,8 +92,8 @@ class PositionStates:
 
 
 def held_bytes(context, state: PositionStates | None, seq_id: int) -> int:
-    """What a head holds for one sequence: its KV rows in `context` and its position states
-(a speculator's ``state_nbytes``)."""
+    """What a head holds for one sequence (its ``state_nbytes``): its KV rows in `context` and
+    its position states."""
     nbytes = getattr(context, "nbytes", None)
     return (0 if nbytes is None else nbytes(seq_id)) + (0 if state is None else state.nbytes)
 

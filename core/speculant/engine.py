@@ -474,8 +474,9 @@ class Engine:
         except Exception:
             self.context.drop(seq_id)
             raise
-        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id, hidden, spec_states), speculators_synced=False,
-                            hidden=dict(hidden) if hidden else None, spec_states=dict(spec_states) if spec_states else None)
+        return CachedPrompt(seq_id, tuple(tokens), tuple(row_prompts), [], self._nbytes(seq_id, hidden, spec_states),
+                            speculators_synced=False, hidden=dict(hidden) if hidden else None,
+                            spec_states=dict(spec_states) if spec_states else None)
 
     def speculator_states(self, cached: CachedPrompt) -> dict[str, SpeculatorState]:
         """The speculators' own states of an entry's rows, by spec type, to be saved beside the

@@ -91,7 +91,6 @@ def test_no_shared_index():
     assert len(spec.global_index) == 0 and draft(spec, 1, [20, 21]) is None
 
 
-
 def test_state_nbytes_counts_the_sequences_own_index():
     spec = make()
     spec.begin(view(0, list(range(50))))
@@ -100,6 +99,7 @@ def test_state_nbytes_counts_the_sequences_own_index():
     assert 0 < small < spec.state_nbytes(0)
     spec.end(0)  # its output moves to the shared index, which no sequence is charged for
     assert spec.state_nbytes(0) is None
+
 
 def test_a_shorter_history_without_truncate_rebuilds():
     spec = make(max_spec_factor=4.0)
