@@ -125,7 +125,7 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
     expected = np.stack([quant(r) for r in x]) @ weights.T
     alone = torch.cat([run(raw, qtype, n, k, x[i : i + 1]) for i in range(len(x))])
     assert np.abs(alone.numpy() - expected).max() <= 2e-6 * np.abs(expected).max()
-    for m in (2, 3, 8, 9, 16, 70):  # tiles of 8 rows, their remainders, and the many-row path
+    for m in (2, 3, 5, 6, 7, 8, 9, 16, 70):  # tiles of 8 rows (5-8 rows share a pass over a block), remainders, many rows
         assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows"
     if qtype not in K_QUANTS:  # the modes are the K-quants' arithmetic; other types take decode's in any mode
         for mode in (1, 2):
@@ -321,7 +321,7 @@ def test_k_quant_rows_are_llamacpp_arithmetic_whatever_the_row_count_and_path(qt
     for amx, tiled in ((0, 0), (0, 1), (0, 4), (1, 0), (4, 0)):
         amx_min_rows(amx)
         tiled_min_rows(tiled)
-        for m in (1, 2, 3, 4, 8, 9, 16, 17, 33, 70):
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 70):
             assert torch.equal(run(raw, qtype, n, k, x[:m]), alone[:m]), f"{m} rows, AMX from {amx} rows, tiled from {tiled}"
         assert torch.equal(run(raw, qtype, n, k, x[40:57]), alone[40:57])  # rows at other offsets of a tile
     if qtype == Q.Q4_K:
