@@ -57,7 +57,7 @@ def test_lists_every_installed_plugin(capsys):
     assert row["suffix"][:4] == ["suffix", "speculator", "speculant-suffix", "0.1.0"]  # the contrib distribution
     assert row["cpu"][1:3] == ["backend", "speculant"] and row["transformer"][1] == "architecture"
     assert "add_options," in row["suffix"] and "register_speculators" in row["suffix"]
-    assert "    speculator suffix: accept, begin, checkpoint, end, propose, truncate" in lines
+    assert "    speculator suffix: accept, begin, checkpoint, end, propose, state_nbytes, truncate" in lines
     assert "    speculator ngram-simple: propose" in lines and "    architecture qwen2" in lines
 
 
@@ -70,7 +70,7 @@ def test_json(capsys):
            (["speculator"], "speculant-suffix", "0.1.0", "loaded", None)
     assert suffix["hooks"] == ["speculant_add_options", "speculant_register_speculators"]
     assert suffix["registers"] == [{"kind": "speculator", "name": "suffix", "object": "speculant_suffix.speculator.SuffixSpeculator",
-                                    "hooks": ["accept", "begin", "checkpoint", "end", "propose", "truncate"]}]
+                                    "hooks": ["accept", "begin", "checkpoint", "end", "propose", "state_nbytes", "truncate"]}]
     assert [r["name"] for r in rows["transformer"]["registers"]] == ["gemma3", "lfm2", "llama", "qwen2", "qwen3", "qwen35"]
 
 
