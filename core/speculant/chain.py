@@ -570,24 +570,29 @@ class SpeculatorChain:
         """The spec types (not quarantined) that draft from the target's hidden states."""
         return [s.name for s in self._slots if not s.quarantined and getattr(s.spec, "hidden_layers", ())]
 
-    def export_states(self, seq_id: int, n: int) -> dict[str, SpeculatorState]:
-        """Each speculator's ``export_state`` of sequence `seq_id`'s first n positions, by spec
-        type. One that raises or hangs is left out (logged): a slot file is still written,
-        without its state."""
-        out = {}
+    def _answers(self, hook: str, seq_id: int, **kwargs):
+        """(spec type, value) of each speculator (not quarantined) implementing `hook`, called for
+        sequence `seq_id`. One that raises or hangs is left out, a raise logged as
+        ``{hook}_failed``: used where a speculator's answer is optional to the caller."""
         for slot in self._slots:
-            if slot.quarantined or "export_state" not in slot.hooks:
+            if slot.quarantined or hook not in slot.hooks:
                 continue
-            res = self._run(slot, "export_state", [(dict(seq_id=seq_id, n=n), (seq_id,))])
+            res = self._run(slot, hook, [(dict(seq_id=seq_id, **kwargs), (seq_id,))])
             if res is _HUNG:
                 continue
             ok, value, _ = res[0]
             if not ok:
-                log.warning("export_state_failed", spec_type=slot.name, error=f"{type(value).__name__}: {value}")
+                log.warning(f"{hook}_failed", spec_type=slot.name, error=f"{type(value).__name__}: {value}")
                 self._error(value)  # a KeyboardInterrupt is the user's: raised
-            elif isinstance(value, SpeculatorState):
-                out[slot.name] = value
-        return out
+                continue
+            yield slot.name, value
+
+    def export_states(self, seq_id: int, n: int) -> dict[str, SpeculatorState]:
+        """Each speculator's ``export_state`` of sequence `seq_id`'s first n positions, by spec
+        type. One that raises or hangs is left out (logged): a slot file is still written,
+        without its state."""
+        return {name: value for name, value in self._answers("export_state", seq_id, n=n)
+                if isinstance(value, SpeculatorState)}
 
     def import_states(self, seq: SequenceView, states: dict[str, SpeculatorState], n: int) -> set[str]:
         """Offer each speculator the states of `states` (after ``begin``), its own spec type's
@@ -615,20 +620,8 @@ class SpeculatorChain:
         """The bytes the speculators hold for sequence `seq_id`, summed (``state_nbytes``). One
         that raises or hangs counts 0 (logged): the answer is for the cache's accounting, which
         must not fail a request."""
-        total = 0
-        for slot in self._slots:
-            if slot.quarantined or "state_nbytes" not in slot.hooks:
-                continue
-            res = self._run(slot, "state_nbytes", [(dict(seq_id=seq_id), (seq_id,))])
-            if res is _HUNG:
-                continue
-            ok, value, _ = res[0]
-            if not ok:
-                log.warning("state_nbytes_failed", spec_type=slot.name, error=f"{type(value).__name__}: {value}")
-                self._error(value)  # a KeyboardInterrupt is the user's: raised
-            elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                total += value
-        return total
+        return sum(value for _, value in self._answers("state_nbytes", seq_id)
+                   if isinstance(value, int) and not isinstance(value, bool) and value > 0)
 
     def end(self, seq_id: int) -> None:
         self._asked.pop(seq_id, None)
