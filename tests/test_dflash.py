@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import json
+
 import attrs
 import numpy as np
 import pytest
@@ -394,6 +396,36 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     _, plain = run(tiny.target, ps, 16)
     engine, out_tokens = run(tiny.target, ps, 16, spec)
     assert out_tokens == plain and engine.spec_stats["dflash"].drafted > 0
+
+
+def test_train_init_starts_from_a_trained_drafter(tiny, tmp_path):
+    """`--init DRAFTER.gguf`: the new training starts from that drafter's weights and draft
+    vocabulary (an F32 drafter round-trips exactly), and one of another shape is refused by name."""
+    from speculant.cli import main
+    from speculant.training import init_from_head
+    from speculant_dflash.testing import head_config_for, target_embedding
+    from speculant_dflash.train.net import DFlashNet
+
+    base = ["-m", tiny.target_path, "--source", "core/speculant/*.py", "--tokens", "800", "--piece-tokens", "100",
+            "--batch", "2", "--window", "32", "--blocks", "4", "--block-size", "4", "--draft-vocab", "200", "--ffn", "64",
+            "--qtype", "F32", "--precision", "fp32", "-t", "1"]
+    first = tmp_path / "first.gguf"
+    assert main(["train", "dflash", "-o", str(first), "--data", str(tmp_path / "a"), "--steps", "4", *base]) == 0
+    shape = dict(n_draft_vocab=200, n_layers=1, block_size=4, target_layers=(1, 2, 3))
+    net = DFlashNet(head_config_for(tiny.target_path, n_ff=64, **shape), target_embedding(tiny.target_path))
+    d2t = init_from_head(net.gguf_modules(), str(first))
+    g = open_gguf(str(first))
+    assert d2t.tolist() == np.asarray(g.tensors["d2t"].data).reshape(-1).tolist()
+    for name, w in net.gguf_weights().items():
+        assert np.array_equal(w, np.asarray(g.tensors[name].data, dtype=np.float32).reshape(w.shape)), name
+    second = tmp_path / "second.gguf"
+    assert main(["train", "dflash", "-o", str(second), "--data", str(tmp_path / "b"), "--steps", "2", "--init", str(first),
+                 *base]) == 0
+    assert open_gguf(str(second)).tensors["d2t"].data.tolist() == g.tensors["d2t"].data.tolist()
+    assert json.loads(open_gguf(str(second)).metadata["speculant.training"])["init"] == str(first)
+    other = DFlashNet(head_config_for(tiny.target_path, n_ff=96, **shape), target_embedding(tiny.target_path))
+    with pytest.raises(ValueError, match="ffn_gate"):
+        init_from_head(other.gguf_modules(), str(first))
 
 
 def _llamacpp_reference():

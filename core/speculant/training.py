@@ -289,6 +289,30 @@ def target_tensor(path: str, name: str) -> torch.Tensor | None:
     return None if t is None else dequantize(t.data, t.qtype, t.shape)
 
 
+def init_from_head(modules: dict, head_path: str) -> np.ndarray:
+    """Copy a trained head's tensors (dequantized) into `modules` (GGUF tensor name -> the
+    torch module whose ``weight`` it is) and return the head's draft vocabulary (``d2t``):
+    fine-tuning starts where that head's training ended. Every named tensor must be in the file
+    with the module's shape."""
+    from speculant.gguf import dequantize, open_gguf
+
+    g = open_gguf(head_path)
+    if "d2t" not in g.tensors:
+        raise ValueError(f"{head_path}: the head has no draft vocabulary (d2t) to start from")
+    d2t = np.asarray(g.tensors["d2t"].data, dtype=np.int64).reshape(-1).copy()
+    with torch.no_grad():
+        for name, module in modules.items():
+            t = g.tensors.get(name)
+            if t is None:
+                raise ValueError(f"{head_path}: no tensor {name} to start from")
+            w = dequantize(t.data, t.qtype, t.shape)
+            if tuple(w.shape) != tuple(module.weight.shape):
+                raise ValueError(f"{head_path}: {name} is {tuple(w.shape)}, this training's head wants "
+                                 f"{tuple(module.weight.shape)} (the head's own shape options and target)")
+            module.weight.copy_(w)
+    return d2t
+
+
 def training_threads(threads: int | None) -> int:
     """Give torch the cores for training (`threads`, default every core this process may use) and
     return how many. Loading the target leaves torch one thread (the CPU backend's kernels bring

@@ -61,6 +61,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="training matmuls: bf16 autocast or fp32 (default auto: bf16 where the CPU has AVX-512 BF16 or AMX)")
     p.add_argument("-t", "--threads", type=int_in(1), default=None, help="threads")
+    p.add_argument("--init", default=None, metavar="DRAFTER.gguf",
+                   help="start from this trained drafter (its weights and draft vocabulary; the same --block-size, "
+                        "--layers, --ffn, --draft-vocab and taps) instead of random weights: fine-tuning on new data")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -98,12 +101,12 @@ def run(args) -> int:
     net, d2t, acc, tau, done = train(
         cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch, window=args.window,
         blocks=args.blocks, lr=args.lr, save_every=args.save_every, mix=tuple(args.mix), seed=args.seed, always=always, log=log,
-        progress=sys.stderr.isatty(), time_limit=remaining,
+        progress=sys.stderr.isatty(), time_limit=remaining, init=args.init,
         bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
     summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "blocks": args.blocks, "block_size": cfg.block_size, "layers": cfg.n_layers, "ffn": cfg.n_ff,
                "held_out_accuracy": [round(a, 4) for a in acc], "held_out_accepted_length": round(tau, 3),
-               "sources": sources, "recipe": args.recipe, "mix": args.mix, "draft_vocab": len(d2t)}
+               "sources": sources, "recipe": args.recipe, "mix": args.mix, "init": args.init, "draft_vocab": len(d2t)}
     write_head(args.output, cfg, net.gguf_weights(), target_path=args.model, d2t=d2t, qtype=args.qtype,
                extra={"speculant.training": json.dumps(summary)})
     log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per block row "

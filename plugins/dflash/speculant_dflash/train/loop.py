@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculant.training import Shards, split, target_tensor
+from speculant.training import Shards, init_from_head, split, target_tensor
 
 from speculant_dflash.layout import DFlashConfig
 from speculant_dflash.train.net import DFlashNet
@@ -152,10 +152,13 @@ def evaluate(net, batches: Batches, docs: list, n: int = 16, seed: int = 0) -> t
 
 def train(cfg: DFlashConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
           window: int = 256, blocks: int = 16, lr: float = 6e-4, save_every: int = 100, seed: int = 0, mix: tuple = (),
-          always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False):
+          always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False,
+          init: str | None = None):
     """Train (or resume) and return (net, d2t, held-out per-row accuracy, held-out mean accepted
     length, steps done). Stops early after `time_limit` seconds with a checkpoint, so a later run
-    continues. `bf16`: matmuls in bfloat16 under autocast (weights and optimizer stay float32)."""
+    continues. `bf16`: matmuls in bfloat16 under autocast (weights and optimizer stay float32).
+    `init`: a trained drafter to start from (its weights and draft vocabulary) instead of the
+    target's rows and random ones, when there is no checkpoint yet."""
     from tqdm import tqdm
 
     shards = Shards([data_dir, *mix])  # the checkpoint stays in data_dir
@@ -165,20 +168,24 @@ def train(cfg: DFlashConfig, embed: torch.Tensor, target_path: str, data_dir: st
     if state is not None and state["cfg"] != cfg:
         raise ValueError(f"{ckpt_path} holds a drafter of another shape ({state['cfg']}); "
                          "train with the same options or move the checkpoint away")
-    d2t = state["d2t"] if state is not None else \
-        draft_vocabulary(shards, train_docs, cfg.n_draft_vocab, cfg.n_target_vocab, list(always))
-    t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
-    t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
     torch.manual_seed(seed)
     net = DFlashNet(cfg, embed)
+    if state is not None:
+        d2t = state["d2t"]
+    elif init is not None:
+        d2t = init_from_head(net.gguf_modules(), init)
+        log(f"starting from {init}")
+    else:
+        d2t = draft_vocabulary(shards, train_docs, cfg.n_draft_vocab, cfg.n_target_vocab, list(always))
+        init_from_target(net, target_path, d2t)
+    t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
+    t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if state is not None:
         net.load_state_dict(state["net"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
-    else:
-        init_from_target(net, target_path, d2t)
     warmup = min(100, total_steps // 10 + 1)
     sched = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps)))))
     mask = cfg.mask_token_id

@@ -113,8 +113,9 @@ class DFlashNet(nn.Module):
         return self.lm_head(self.out_norm(x))
 
     # --- export -----------------------------------------------------------------------------------
-    def gguf_weights(self) -> dict:
-        """Tensor name -> float32 numpy array, in llama.cpp's dflash names."""
+    def gguf_modules(self) -> dict:
+        """llama.cpp's dflash tensor names -> the modules whose weights they are (export, and
+        starting from a trained drafter)."""
         m = {"fc.weight": self.fc, "enc.output_norm.weight": self.hidden_norm, "output_norm.weight": self.out_norm,
              "output.weight": self.lm_head}
         for i, l in enumerate(self.layers):
@@ -122,4 +123,8 @@ class DFlashNet(nn.Module):
                               ("attn_output", l.o), ("attn_q_norm", l.q_norm), ("attn_k_norm", l.k_norm),
                               ("ffn_norm", l.ffn_norm), ("ffn_gate", l.gate), ("ffn_up", l.up), ("ffn_down", l.down)):
                 m[f"blk.{i}.{name}.weight"] = mod
-        return {name: mod.weight.detach().float().cpu().numpy() for name, mod in m.items()}
+        return m
+
+    def gguf_weights(self) -> dict:
+        """Tensor name -> float32 numpy array, in llama.cpp's dflash names."""
+        return {name: mod.weight.detach().float().cpu().numpy() for name, mod in self.gguf_modules().items()}

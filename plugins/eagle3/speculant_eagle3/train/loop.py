@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from speculant import training
 from speculant.training import Shards, split
 
 from speculant_eagle3.layout import HeadConfig
@@ -111,27 +112,9 @@ def init_from_target(net: Eagle3Net, target_path: str, d2t: np.ndarray) -> None:
 
 
 def init_from_head(net: Eagle3Net, head_path: str) -> np.ndarray:
-    """Load a trained head's weights (dequantized) into `net` and return its draft vocabulary:
-    fine-tuning starts where that head's training ended. Its shapes must be the net's."""
-    from speculant.gguf import dequantize, open_gguf
-
-    g = open_gguf(head_path)
-    if "d2t" not in g.tensors:
-        raise ValueError(f"{head_path}: the head has no draft vocabulary (d2t) to start from")
-    d2t = np.asarray(g.tensors["d2t"].data, dtype=np.int64).reshape(-1).copy()
-    params = dict(net.named_parameters())
-    with torch.no_grad():
-        for name, module_name in GGUF_TO_NET.items():
-            t = g.tensors.get(name)
-            if t is None:
-                raise ValueError(f"{head_path}: no tensor {name} to start from")
-            w = dequantize(t.data, t.qtype, t.shape)
-            p = params[f"{module_name}.weight"]
-            if tuple(w.shape) != tuple(p.shape):
-                raise ValueError(f"{head_path}: {name} is {tuple(w.shape)}, this training's head wants {tuple(p.shape)} "
-                                 "(same --ffn, --draft-vocab and target as the head's)")
-            p.copy_(w)
-    return d2t
+    """Load a trained head's weights into `net` and return its draft vocabulary: fine-tuning
+    starts where that head's training ended. Its shapes must be the net's."""
+    return training.init_from_head({name: getattr(net, module) for name, module in GGUF_TO_NET.items()}, head_path)
 
 
 def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: int = 0) -> list[float]:
