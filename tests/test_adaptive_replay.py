@@ -23,7 +23,37 @@ PROFILES = {  # rows -> ms per forward
     "avx512-vnni, no AMX (issue 21's box)": {1: 94.8, 2: 113.0, 4: 120.0, 8: 173.0, 16: 284.0},
     # AMD EPYC (Zen 4), AVX-512, no AMX, after 1000 cached tokens (scripts/bench_rows.py, 2026-11-24)
     "zen4 avx512": {1: 44.7, 2: 56.6, 3: 67.0, 8: 126.6, 16: 146.0, 32: 259.5, 48: 386.9},
+    # AMD EPYC (Zen 3), AVX2 only, after 1000 cached tokens (scripts/bench_rows.py, 2026-11-27,
+    # docs/benchmarks.md's twenty-second run; 5-7 rows after 8604140)
+    "zen3 avx2": {1: 79.2, 2: 93.8, 3: 104.0, 4: 125.8, 5: 162.1, 6: 202.0, 7: 218.0, 8: 261.9, 16: 437.0},
 }
+
+# (ms a call, ms a drafted token, ms a token caught up on), n_max: what each kind of speculator
+# costs next to the 1.5B. An n-gram lookup; a draft model (the 0.5B, a third of the 1.5B's work;
+# the 1.5B prefills 5 ms a token with AMX); an EAGLE3 head (one head forward a drafted token, about
+# 6 ms on the Zen 3, docs/benchmarks.md); a DFlash drafter (one forward fills its block of 7,
+# whatever is asked for).
+SPECULATORS = {
+    "ngram": ((0.3, 0.0, 0.0), 16),
+    "draft-model": ((2.0, 15.0, 2.0), 16),
+    "eagle3-head": ((0.5, 6.0, 0.2), 3),
+    "dflash-head": ((6.0, 0.0, 0.2), 7),
+}
+
+
+# Known shortfalls on the Zen 3's profile, where rows cost most (16 rows 5.5x one): strict, so a
+# controller that fixes one fails here until the mark goes.
+COPIES_CUT_NEVER = ("a cheap speculator's drafts of 8+ tokens are verified whole (copies stand or fall "
+                    "together), so 16 tokens each 90% likely cost 16 rows: 0.69x plain where 3-4 rows "
+                    "a step would give 0.46x")
+GUESSES_NEAR_EVEN = ("a one-token guess right 10% of the time loses 7% of a step here, just past "
+                     "DROP_MARGIN, and with the +-10% noise about half of them are still verified")
+
+
+def profiles(**xfail) -> list:
+    """Every profile as a test parameter; those named (spaces as _) marked as strict expected failures."""
+    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=xfail[name.replace(" ", "_")]))
+            if name.replace(" ", "_") in xfail else name for name in PROFILES]
 
 
 def forward_ms(profile: dict[int, float], rows: int) -> float:
@@ -77,16 +107,14 @@ def replay(profile, accept_p: float, draft_ms_per_call: float, draft_ms_per_toke
 
 @pytest.mark.parametrize("path", list(PROFILES))
 @pytest.mark.parametrize("accept_p", [0.0, 0.05, 0.15, 0.3])
-@pytest.mark.parametrize("speculator", ["ngram", "draft-model"])
+@pytest.mark.parametrize("speculator", list(SPECULATORS))
 def test_mostly_rejected_drafts_cost_at_most_5_percent(path, accept_p, speculator):
-    # an n-gram lookup: 0.3 ms a call; a draft model (the 0.5B, a third of the 1.5B's work): 15 ms
-    # a drafted token, 2 ms a token it catches up on (the 1.5B prefills 5 ms a token here)
-    costs = (0.3, 0.0, 0.0) if speculator == "ngram" else (2.0, 15.0, 2.0)
-    ratios = [replay(PROFILES[path], accept_p, *costs, seed=s) for s in range(3)]
+    costs, n_max = SPECULATORS[speculator]
+    ratios = [replay(PROFILES[path], accept_p, *costs, n_max=n_max, seed=s) for s in range(3)]
     assert max(ratios) <= 1.05, f"{path}, acceptance {accept_p}: {ratios}"
 
 
-@pytest.mark.parametrize("path", list(PROFILES))
+@pytest.mark.parametrize("path", profiles(zen3_avx2=COPIES_CUT_NEVER))
 def test_accepted_drafts_still_pay(path):
     """The other side: the controller must not be so shy that good drafts are lost."""
     ngram = replay(PROFILES[path], 0.9, 0.3, 0.0)
@@ -134,7 +162,7 @@ def replay_copies_and_guesses(profile, adaptive: bool, n_tokens=3000, seed=0) ->
     return (spent / emitted) / (profile[1] / 1e3), cut, guesses_verified
 
 
-@pytest.mark.parametrize("path", list(PROFILES))
+@pytest.mark.parametrize("path", profiles(zen3_avx2=GUESSES_NEAR_EVEN))
 def test_a_cheap_speculators_copies_verified_whole_and_its_guesses_dropped(path):
     """Drafts are judged by the length their speculator chose: a suffix tree's long copies are
     verified whole, never cut short because its one-token guesses fail (one acceptance estimate
