@@ -4,9 +4,8 @@ target through rejections and prompt chunks, one drafter forward per step for al
 exactness alone, in chains, for concurrent sequences and on hybrid targets."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import json
+from types import SimpleNamespace
 
 import attrs
 import numpy as np
@@ -370,8 +369,6 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     """`speculant train dflash` with tiny settings: data, a checkpoint, a drafter that loads and
     drafts; a rerun with more steps resumes from the checkpoint instead of starting over, and
     the drafter learns (held-out first-row accuracy well above chance)."""
-    import json
-
     from speculant.cli import main
 
     data, out = tmp_path / "data", tmp_path / "head.gguf"
@@ -429,7 +426,6 @@ def test_train_init_starts_from_a_trained_drafter(tiny, tmp_path):
 
 
 def _llamacpp_reference():
-    import json
     from pathlib import Path
 
     path = Path(__file__).parent / "data" / "dflash-llamacpp.json"
