@@ -289,6 +289,17 @@ def target_tensor(path: str, name: str) -> torch.Tensor | None:
     return None if t is None else dequantize(t.data, t.qtype, t.shape)
 
 
+def draft_vocabulary(shards: Shards, docs: list, n_draft: int, n_vocab: int, always: list[int]) -> np.ndarray:
+    """A drafter's vocabulary: the `n_draft` tokens the target predicts most often (top-1) on
+    `docs`, with `always` (end-of-generation tokens) in, sorted (its ``d2t``)."""
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for s, a, b in docs:
+        np.add.at(counts, np.asarray(shards.shards[s]["top_ids"][a:b, 0]), 1)
+    counts[[t for t in always if 0 <= t < n_vocab]] = counts.max() + 1
+    chosen = np.argsort(-counts, kind="stable")[:n_draft]
+    return np.sort(chosen).astype(np.int64)
+
+
 def init_from_head(modules: dict, head_path: str) -> np.ndarray:
     """Copy a trained head's tensors (dequantized) into `modules` (GGUF tensor name -> the
     torch module whose ``weight`` it is) and return the head's draft vocabulary (``d2t``):

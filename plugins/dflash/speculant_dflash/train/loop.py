@@ -33,21 +33,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculant.training import Shards, init_from_head, split, target_tensor
+from speculant.training import Shards, draft_vocabulary, init_from_head, split, target_tensor
 
 from speculant_dflash.layout import DFlashConfig
 from speculant_dflash.train.net import DFlashNet
 
 CHECKPOINT = "dflash-ckpt.pt"
-
-
-def draft_vocabulary(shards: Shards, docs: list, n_draft: int, n_vocab: int, always: list[int]) -> np.ndarray:
-    counts = np.zeros(n_vocab, dtype=np.int64)
-    for s, a, b in docs:
-        np.add.at(counts, np.asarray(shards.shards[s]["top_ids"][a:b, 0]), 1)
-    counts[[t for t in always if 0 <= t < n_vocab]] = counts.max() + 1
-    chosen = np.argsort(-counts, kind="stable")[:n_draft]
-    return np.sort(chosen).astype(np.int64)
 
 
 class Batches:

@@ -24,21 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from speculant import training
-from speculant.training import Shards, split
+from speculant.training import Shards, draft_vocabulary, split
 
 from speculant_eagle3.layout import HeadConfig
 from speculant_eagle3.train.net import GGUF_TO_NET, Eagle3Net
 
 STEP_WEIGHT = 0.8
-
-
-def draft_vocabulary(shards: Shards, docs: list, n_draft: int, n_vocab: int, always: list[int]) -> np.ndarray:
-    counts = np.zeros(n_vocab, dtype=np.int64)
-    for s, a, b in docs:
-        np.add.at(counts, np.asarray(shards.shards[s]["top_ids"][a:b, 0]), 1)
-    counts[[t for t in always if 0 <= t < n_vocab]] = counts.max() + 1
-    chosen = np.argsort(-counts, kind="stable")[:n_draft]
-    return np.sort(chosen).astype(np.int64)
 
 
 class Batches:
