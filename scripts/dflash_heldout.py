@@ -13,12 +13,11 @@ top-1 (1 + the rows right in a row), the trainer's figure.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from speculant.gguf import open_gguf
-from speculant.training import Shards, init_from_head, split
+from speculant.training import held_out_by_directory, init_from_head, target_to_draft
 from speculant_dflash.layout import read_config
 from speculant_dflash.testing import target_embedding
 from speculant_dflash.train.loop import Batches, evaluate
@@ -35,18 +34,14 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=16)
     args = p.parse_args()
     torch.manual_seed(0)
-    shards = Shards(args.data)
-    _, held = split(shards.documents())
-    owner = [d for d in args.data for _ in json.load(open(f"{d}/manifest.json"))["shards"]]
+    shards, held = held_out_by_directory(args.data)
     embed = target_embedding(args.model)
     for head in args.head:
         cfg = read_config(open_gguf(head))
         net = DFlashNet(cfg, embed)
         d2t = init_from_head(net.gguf_modules(), head)
-        t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
-        t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
-        for directory in args.data:
-            docs = [d for d in held if owner[d[0]] == directory]
+        t2d = target_to_draft(d2t, cfg.n_target_vocab)
+        for directory, docs in held.items():
             batches = Batches(shards, docs, t2d, args.window, cfg.block_size, args.blocks, cfg.mask_token_id, seed=0)
             acc, tau = evaluate(net, batches, batches.docs, n=args.windows, seed=0)
             print(f"{head}  {directory} ({len(docs)} held-out documents): top-1 per block row "

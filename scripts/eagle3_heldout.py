@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from speculant.gguf import open_gguf
-from speculant.training import Shards, split
+from speculant.training import held_out_by_directory, target_to_draft
 from speculant_eagle3.layout import default_target_layers
 from speculant_eagle3.testing import head_config_for, target_embedding
 from speculant_eagle3.train.loop import Batches, evaluate, init_from_head
@@ -35,10 +35,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     torch.manual_seed(0)
-    shards = Shards(args.data)
-    _, held = split(shards.documents())
-    # Which directory each shard came from (Shards keeps the directories' shards in order).
-    owner = [d for d in args.data for _ in json.load(open(f"{d}/manifest.json"))["shards"]]
+    shards, held = held_out_by_directory(args.data)
     embed = target_embedding(args.model)
     n_layers = int(open_gguf(args.model).arch_key("block_count"))
     for head in args.head:
@@ -49,10 +46,8 @@ def main() -> None:
                               target_layers=default_target_layers(n_layers))  # as `speculant train eagle3` makes it
         net = Eagle3Net(cfg, embed)
         d2t = init_from_head(net, head)
-        t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
-        t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
-        for directory in args.data:
-            docs = [d for d in held if owner[d[0]] == directory]
+        t2d = target_to_draft(d2t, cfg.n_target_vocab)
+        for directory, docs in held.items():
             batches = Batches(shards, docs, t2d, args.window, args.steps, seed=0)
             acc = evaluate(net, batches, batches.docs, args.steps, n=args.windows, seed=0)
             print(f"{head}  {directory} ({len(docs)} held-out documents): "

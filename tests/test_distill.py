@@ -15,7 +15,7 @@ from speculant.engine import Engine, EngineConfig
 from speculant.recording import StateRecorder
 from speculant.testing.tiny_gguf import write_tiny_model
 from speculant import training
-from speculant.training import Shards, collect
+from speculant.training import Shards, collect, held_out_by_directory, split
 
 SOURCES = ["core/speculant/*.py", "plugins/*/speculant_*/*.py"]
 
@@ -110,6 +110,13 @@ def test_collect_self_recipe_and_mixing(tiny, tmp_path):
     collect(tiny, str(read_dir), 500, SOURCES, (n,), piece_tokens=100, log=quiet)
     both = Shards([str(self_dir), str(read_dir)])
     assert len(both.documents()) == len(Shards(str(self_dir)).documents()) + len(Shards(str(read_dir)).documents())
+    # What a training run on both holds out, told apart by directory (the held-out scripts' split)
+    _, held = split(both.documents(), held_every=3)  # a few documents here: every third held out
+    _, by_dir = held_out_by_directory([str(self_dir), str(read_dir)], held_every=3)
+    assert list(by_dir) == [str(self_dir), str(read_dir)] and all(by_dir.values())
+    assert sorted(sum(by_dir.values(), [])) == sorted(held)
+    first = len(Shards(str(self_dir)).shards)
+    assert all(doc[0] < first for doc in by_dir[str(self_dir)]) and all(doc[0] >= first for doc in by_dir[str(read_dir)])
     other = tmp_path / "other"
     collect(tiny, str(other), 300, SOURCES, (n - 1,), piece_tokens=100, log=quiet)
     with pytest.raises(ValueError, match="cannot be mixed"):
@@ -182,7 +189,7 @@ def test_states_kept_while_answering_equal_the_target_reading_the_answers_again(
 
 def test_train_mtp_on_its_own_answers_mixed_with_read_data(tmp_path):
     """`speculant train mtp --recipe self --mix DIR`: answers, shards, a sidecar whose summary
-    names the recipe and the mix."""
+    names the recipe and the mix and counts the rows of both directories."""
     from speculant.cli import main
     from speculant.gguf import open_gguf
 
@@ -198,6 +205,8 @@ def test_train_mtp_on_its_own_answers_mixed_with_read_data(tmp_path):
                  "--answer-tokens", "16", "--answer-batch", "4", "--mix", str(read_dir), *common]) == 0
     summary = json.loads(open_gguf(str(out)).metadata["speculant.training"])
     assert summary["recipe"] == "self" and summary["mix"] == [str(read_dir)]
+    rows = [json.loads((d / "manifest.json").read_text())["tokens"] for d in (tmp_path / "self", read_dir)]
+    assert summary["tokens"] == sum(rows) and min(rows) > 0  # the rows trained on: --data's and --mix's
     assert (tmp_path / "self" / "answers.jsonl").exists()
 
 

@@ -263,6 +263,23 @@ class Shards:
         return [(i, int(s["docs"][j]), int(s["docs"][j + 1])) for i, s in enumerate(self.shards) for j in range(len(s["docs"]) - 1)]
 
 
+def data_rows(data_dirs: list[str]) -> int:
+    """Rows of target states in these data directories together (a trainer's --data and its
+    --mix directories), as their manifests count them."""
+    return sum(int(json.loads((Path(d) / "manifest.json").read_text())["tokens"]) for d in data_dirs)
+
+
+def held_out_by_directory(data_dirs: list[str], held_every: int = 20) -> tuple[Shards, dict[str, list]]:
+    """The shards of these directories (a trainer's --data then its --mix) and, per directory,
+    its documents that such a training run holds out (``split`` over all of them together): a
+    script scores a head on each recipe's held-out text apart."""
+    shards = Shards(data_dirs)
+    _, held = split(shards.documents(), held_every)
+    # Shards keeps the directories' shards in order: which directory each shard index came from
+    owner = [d for d in data_dirs for _ in json.loads((Path(d) / "manifest.json").read_text())["shards"]]
+    return shards, {d: [doc for doc in held if owner[doc[0]] == d] for d in data_dirs}
+
+
 def split(docs: list, held_every: int = 20) -> tuple[list, list]:
     """(training documents, held-out documents): every `held_every`-th one is held out."""
     train = [d for i, d in enumerate(docs) if i % held_every != held_every - 1]
@@ -298,6 +315,13 @@ def draft_vocabulary(shards: Shards, docs: list, n_draft: int, n_vocab: int, alw
     counts[[t for t in always if 0 <= t < n_vocab]] = counts.max() + 1
     chosen = np.argsort(-counts, kind="stable")[:n_draft]
     return np.sort(chosen).astype(np.int64)
+
+
+def target_to_draft(d2t: np.ndarray, n_target_vocab: int) -> torch.Tensor:
+    """The inverse of a draft vocabulary: each target token's draft index, -1 where it has none."""
+    t2d = torch.full((n_target_vocab,), -1, dtype=torch.long)
+    t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
+    return t2d
 
 
 def init_from_head(modules: dict, head_path: str) -> np.ndarray:

@@ -71,7 +71,7 @@ def run(args) -> int:
     import torch
 
     from speculant import SpeculantError, load_model
-    from speculant.training import bf16_default, collect, default_sources, eog_ids
+    from speculant.training import bf16_default, collect, data_rows, default_sources, eog_ids
 
     from speculant_dflash.layout import default_target_layers, write_head
     from speculant_dflash.testing import head_config_for, target_embedding
@@ -103,7 +103,7 @@ def run(args) -> int:
         blocks=args.blocks, lr=args.lr, save_every=args.save_every, mix=tuple(args.mix), seed=args.seed, always=always, log=log,
         progress=sys.stderr.isatty(), time_limit=remaining, init=args.init,
         bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
-    summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
+    summary = {"tokens": data_rows([args.data, *args.mix]), "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "blocks": args.blocks, "block_size": cfg.block_size, "layers": cfg.n_layers, "ffn": cfg.n_ff,
                "held_out_accuracy": [round(a, 4) for a in acc], "held_out_accepted_length": round(tau, 3),
                "sources": sources, "recipe": args.recipe, "mix": args.mix, "init": args.init, "draft_vocab": len(d2t)}

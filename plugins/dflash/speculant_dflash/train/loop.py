@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculant.training import Shards, draft_vocabulary, init_from_head, split, target_tensor
+from speculant.training import Shards, draft_vocabulary, init_from_head, split, target_tensor, target_to_draft
 
 from speculant_dflash.layout import DFlashConfig
 from speculant_dflash.train.net import DFlashNet
@@ -169,8 +169,7 @@ def train(cfg: DFlashConfig, embed: torch.Tensor, target_path: str, data_dir: st
     else:
         d2t = draft_vocabulary(shards, train_docs, cfg.n_draft_vocab, cfg.n_target_vocab, list(always))
         init_from_target(net, target_path, d2t)
-    t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
-    t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
+    t2d = target_to_draft(d2t, cfg.n_target_vocab)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if state is not None:

@@ -51,7 +51,7 @@ def run(args) -> int:
 
     from speculant_eagle3.layout import default_target_layers, write_head
     from speculant_eagle3.testing import head_config_for, target_embedding
-    from speculant.training import bf16_default, collect, default_sources, eog_ids
+    from speculant.training import bf16_default, collect, data_rows, default_sources, eog_ids
 
     from speculant_eagle3.train.loop import train
 
@@ -75,7 +75,7 @@ def run(args) -> int:
                           window=args.window, steps=args.ttt, lr=args.lr, save_every=args.save_every, mix=tuple(args.mix), init=args.init, seed=args.seed,
                           always=always, log=log, progress=sys.stderr.isatty(), time_limit=remaining,
                           bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
-    summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
+    summary = {"tokens": data_rows([args.data, *args.mix]), "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "held_out_accuracy": [round(a, 4) for a in acc],
                "sources": sources, "recipe": args.recipe, "mix": args.mix, "init": args.init, "draft_vocab": len(d2t), "ffn": args.ffn, "ttt": args.ttt}
     write_head(args.output, cfg, net.gguf_weights(), target_path=args.model, d2t=d2t, qtype=args.qtype,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from speculant import training
-from speculant.training import Shards, draft_vocabulary, split
+from speculant.training import Shards, draft_vocabulary, split, target_to_draft
 
 from speculant_eagle3.layout import HeadConfig
 from speculant_eagle3.train.net import GGUF_TO_NET, Eagle3Net
@@ -88,15 +88,14 @@ def step_losses(net: Eagle3Net, tokens, taps, labels, steps: int):
 
 
 def init_from_target(net: Eagle3Net, target_path: str, d2t: np.ndarray) -> None:
-    from speculant.gguf import dequantize, open_gguf
-
-    g = open_gguf(target_path)
-    out = g.tensors.get("output.weight") or g.tensors["token_embd.weight"]
-    rows = dequantize(out.data, out.qtype, out.shape)
-    norm = g.tensors["output_norm.weight"]
+    """A new head: the target's output rows of the draft vocabulary and its final norm, the
+    other matrices drawn small."""
+    rows = training.target_tensor(target_path, "output.weight")
+    if rows is None:  # tied embeddings
+        rows = training.target_tensor(target_path, "token_embd.weight")
     with torch.no_grad():
         net.lm_head.weight.copy_(rows[torch.from_numpy(d2t)])
-        net.out_norm.weight.copy_(dequantize(norm.data, norm.qtype, norm.shape))
+        net.out_norm.weight.copy_(training.target_tensor(target_path, "output_norm.weight"))
         for name, p in net.named_parameters():
             if p.dim() == 2 and not name.startswith("lm_head"):
                 p.normal_(0.0, 0.02)
@@ -147,8 +146,7 @@ def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str,
     else:
         d2t = draft_vocabulary(shards, train_docs, cfg.n_draft_vocab, cfg.n_target_vocab, list(always))
         init_from_target(net, target_path, d2t)
-    t2d = torch.full((cfg.n_target_vocab,), -1, dtype=torch.long)
-    t2d[torch.from_numpy(d2t)] = torch.arange(len(d2t))
+    t2d = target_to_draft(d2t, cfg.n_target_vocab)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     start = 0
     if state is not None:

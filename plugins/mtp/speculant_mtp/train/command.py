@@ -51,7 +51,7 @@ def run(args) -> int:
 
     from speculant import SpeculantError, load_model
     from speculant.gguf import open_gguf
-    from speculant.training import bf16_default, collect, default_sources, eog_ids
+    from speculant.training import bf16_default, collect, data_rows, default_sources, eog_ids
 
     from speculant_mtp.layout import has_nextn, write_sidecar
     from speculant_mtp.testing import config_for, target_parts
@@ -83,7 +83,7 @@ def run(args) -> int:
                            save_every=args.save_every, mix=tuple(args.mix), seed=args.seed, always=sorted(set(eog_ids(args.model))),
                            bias=not cfg.gated, log=log, progress=sys.stderr.isatty(), time_limit=remaining,
                            bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
-    summary = {"tokens": manifest["tokens"], "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
+    summary = {"tokens": data_rows([args.data, *args.mix]), "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "held_out_accuracy": [round(a, 4) for a in acc], "sources": sources, "recipe": args.recipe, "mix": args.mix, "ffn": args.ffn,
                "unroll": args.unroll, "train_vocab": args.train_vocab}
     write_sidecar(args.output, args.model, net.gguf_weights(), qtype=args.qtype, draft_vocab=vocab,
