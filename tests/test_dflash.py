@@ -302,6 +302,71 @@ def test_drafts_equal_a_fresh_computation(tiny):
                 assert t2d[token] == int(top2.indices[0]), f"draft token {j} differs from a fresh computation"
 
 
+def test_a_drafter_trained_on_windows_sees_that_context_and_skips_older_rows(tiny, tmp_path):
+    """A drafter whose file records a training window of 64 (blocks of 4) sees the 61 context
+    rows before its block, as a block did in training: each draft is what the trainer's module
+    computes from those rows alone. Only rows such blocks read are injected (not a 600-token
+    prompt's), the output stays plain decoding's; --spec-dflash-window overrides the file."""
+    from speculant import Batch
+
+    from speculant_dflash.testing import random_net
+
+    net = random_net(tiny.target_path, seed=7, n_draft_vocab=N_DRAFT, block_size=BLOCK)
+    with torch.no_grad():  # attention that moves the output: what the block sees decides its tokens
+        for layer in net.layers:
+            layer.o.weight.mul_(30)
+    path = tmp_path / "windowed.gguf"
+    write_head(str(path), net.cfg, net.gguf_weights(), target_path=tiny.target_path, d2t=tiny.d2t, qtype="F32",
+               extra={"speculant.training": json.dumps({"window": 64, "steps": 1})})
+    spec = make(tiny, head=str(path))[0]
+    assert spec.window == 64 and spec.context_rows == 64 - BLOCK + 1
+    injected, seen = [], []
+    inject, propose = spec.head.inject, spec.propose_batch
+    spec.head.inject = lambda parts, cache: injected.append(sum(len(x) for _, _, x in parts)) or inject(parts, cache)
+
+    def spy(requests):
+        out = propose(requests)
+        seen.extend((r.seq.tokens, d) for r, d in zip(requests, out) if d is not None)
+        return out
+    spy.speculant_impl = propose.speculant_impl
+    spec.propose_batch = spy
+    prompt = prompts(1, 600, seed=2)[0]
+    try:
+        out = run(tiny.target, [prompt], 40, [spec])[1][0]
+    finally:
+        del spec.head.inject  # the drafter's head may be shared
+    assert out == run(tiny.target, [prompt], 40)[1][0]
+    assert len(seen) >= 5 and sum(injected) <= spec.context_rows + 40  # the window, then a row or two a step
+    t2d = {int(t): i for i, t in enumerate(tiny.d2t)}
+    ctx_rows, mask = spec.context_rows, net.cfg.mask_token_id
+    compared = differs = 0
+    for history, draft in seen[-6:]:
+        n = len(history)
+        ctx = tiny.target.new_context(2048)
+        hidden = {}
+        for start in range(0, n - 1, 256):
+            res = tiny.target.forward(Batch.for_sequence(0, start, list(history[start : min(n - 1, start + 256)]), logits="none"),
+                                      ctx, hidden_layers=spec.hidden_layers)
+            for l, h in res.hidden.items():
+                hidden.setdefault(l, []).append(h)
+        taps = torch.cat([torch.cat(hidden[l - 1]) for l in net.cfg.target_layers], -1)[n - 1 - ctx_rows:][None]
+        with torch.no_grad():  # the window's rows alone, the block right after them
+            logits = net(taps, torch.tensor([[ctx_rows]]), torch.tensor([[[history[-1]] + [mask] * (BLOCK - 1)]]))[0, 0]
+        for j, token in enumerate(draft.tokens):
+            top2 = logits[j].topk(2)
+            if float(top2.values[0] - top2.values[1]) > 0.05:  # not a near tie
+                assert t2d[token] == int(top2.indices[0]), f"draft token {j} differs from the window's computation"
+                compared += 1
+        with torch.no_grad():  # the whole history's rows: what a drafter without the window sees
+            whole = net(torch.cat([torch.cat(hidden[l - 1]) for l in net.cfg.target_layers], -1)[None],
+                             torch.tensor([[n - 1]]), torch.tensor([[[history[-1]] + [mask] * (BLOCK - 1)]]))[0, 0]
+        m = len(draft.tokens)
+        differs += int(bool((whole[:m].argmax(-1) != logits[:m].argmax(-1)).any()))
+    assert compared >= 6 and differs >= 2  # the window changes the drafts
+    assert make(tiny, head=str(path), spec_dflash_window=0)[0].window == 0  # the whole context
+    assert make(tiny)[0].window == 0  # a file that records no window: the whole context
+
+
 def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):
     """At temperature > 0 drafts come with the drafter's distribution over the target vocabulary
     (rejection sampling); the first tokens are distributed as plain sampling's (chi-square)."""

@@ -8,6 +8,7 @@ forward of the drafter proposes up to block_size - 1 tokens for every drafting s
 from __future__ import annotations
 
 from speculant import hookimpl
+from speculant.options import int_in
 
 from speculant_dflash.head import DFlashHead
 from speculant_dflash.layout import ARCH, DFlashConfig, default_target_layers, read_config, write_head
@@ -35,6 +36,14 @@ def speculant_register_speculators(register):
 @hookimpl
 def speculant_register_architectures(register):
     register(ARCH, lambda gguf, backend, progress: DFlashHead.load(gguf, backend, progress))
+
+
+@hookimpl
+def speculant_add_options(parser):
+    parser.add_argument("--spec-dflash-window", type=int_in(0), default=None, metavar="N",
+                        help="dflash: a block sees the context of a window of N positions (its last N - block size + 1 "
+                             "rows; 0: all of them); default: the window it was trained on where the file records one "
+                             "(speculant train writes it), else all")
 
 
 @hookimpl

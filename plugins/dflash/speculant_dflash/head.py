@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from speculant import KVCache, ModelFileError, ModelInfo, SpeculantError, backend_kernel
+from speculant.drafting import trained_window
 
 from speculant_dflash.kernels import (apply_rope, attention_masked, gelu_times, rms_norm, rope_tables,
                                       rope_tables_factors, rotate, silu_times)
@@ -41,6 +42,7 @@ class DFlashHead:
     def __init__(self, config: DFlashConfig, info: ModelInfo, backend, parts: dict, layers: list[dict],
                  d2t: torch.Tensor | None):
         self.config, self.info, self.backend, self.parts, self.layers, self.d2t = config, info, backend, parts, layers, d2t
+        self.trained_window = 0  # the positions a training window held (0: not recorded)
         self.norm = backend_kernel(backend, "rms_norm", rms_norm)
         self.rope = backend_kernel(backend, "rope_tables", rope_tables)
         self.rotate = backend_kernel(backend, "apply_rope", apply_rope)
@@ -105,7 +107,16 @@ class DFlashHead:
             parts["output"] = None
         info = ModelInfo(path=gguf.path, architecture=ARCH, n_vocab=cfg.n_target_vocab, n_embd=cfg.n_embd,
                          n_layers=cfg.n_layers, n_ctx_train=cfg.n_ctx, file_bytes=os.path.getsize(gguf.path))
-        return cls(cfg, info, backend, parts, layers, d2t)
+        head = cls(cfg, info, backend, parts, layers, d2t)
+        head.trained_window = trained_window(gguf.metadata)
+        return head
+
+    def windowable(self) -> bool:
+        """Can a block be limited to its last context rows (`draft`'s context_rows)? Not for a
+        causal drafter, nor one with sliding-window layers or attention sinks (their own masks)."""
+        c = self.config
+        return not c.causal and not any(c.is_swa(i) for i in range(c.n_layers)) and \
+            all(layer["attn_sinks"] is None for layer in self.layers)
 
     # --- the Model protocol, as far as it applies ---------------------------------------------
     def new_context(self, max_tokens: int) -> KVCache:
@@ -168,11 +179,14 @@ class DFlashHead:
             cache.commit(seq_id, start + len(x))
 
     @torch.inference_mode()
-    def draft(self, blocks: list[tuple[int, list[int], int]], cache: KVCache, embed=None, output=None) -> list[torch.Tensor]:
+    def draft(self, blocks: list[tuple[int, list[int], int]], cache: KVCache, embed=None, output=None,
+              context_rows: int = 0) -> list[torch.Tensor]:
         """One forward over several sequences' blocks: (seq_id, block tokens, rows wanting logits).
         Each block starts at its sequence's cache length P (the injected context: positions
-        0..P-1) and is not kept in the cache. Returns, per block, the logits [n, draft vocabulary]
-        of block rows 1..n (row i predicts the token at position P + i)."""
+        0..P-1) and is not kept in the cache; with `context_rows` (a non-causal drafter without
+        sliding-window layers or sinks, `windowable`), it sees only the last that many of them.
+        Returns, per block, the logits [n, draft vocabulary] of block rows 1..n (row i predicts
+        the token at position P + i)."""
         c, p = self.config, self.parts
         starts = [cache.length(seq_id) for seq_id, _, _ in blocks]
         tokens = torch.tensor([t for _, toks, _ in blocks for t in toks])
@@ -201,7 +215,9 @@ class DFlashHead:
                 if layer["attn_sinks"] is None and not window:
                     # the backend's causal kernel: a row "at" the block's last position sees it all
                     mask_pos = positions[a:b] if c.causal else torch.full((b - a,), start + b - a - 1, dtype=positions.dtype)
-                    attn[a:b] = self.backend.attention(q[a:b].contiguous(), kc, vc, mask_pos, scale)
+                    # from the block's last position back over the block and its context rows
+                    keys = context_rows + (b - a) if context_rows and not c.causal else 0
+                    attn[a:b] = self.backend.attention(q[a:b].contiguous(), kc, vc, mask_pos, scale, keys)
                 else:
                     attn[a:b] = attention_masked(q[a:b], kc, vc, positions[a:b], torch.arange(start + b - a), scale,
                                                  c.causal, window, layer["attn_sinks"])

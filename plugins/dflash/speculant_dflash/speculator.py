@@ -28,7 +28,7 @@ import torch
 from speculant import (Draft, DraftLimits, DraftRequest, SequenceView, SpeculantError, SpeculatorState, hookimpl,
                        load_model_once)
 from speculant.drafting import (PositionStates, committed_rows, draft_generator, export_positions, file_key, held_bytes,
-                                import_positions, store_encoded_taps)
+                                import_positions, skip_unread_rows, store_encoded_taps)
 from speculant.speculator import SpeculatorConfig
 
 from speculant_dflash.head import DFlashHead
@@ -97,6 +97,12 @@ class DFlash:
             raise SpeculantError(f"DFlash drafter {config.draft_model} maps draft ids to target id {int(d2t.max())}, beyond the target's vocabulary")
         self.d2t = d2t
         self.block_size = c.block_size
+        # The positions a training window held: a block there saw at most window - B + 1 context
+        # rows before it, so it sees as many here, and a long prompt's older rows are never
+        # injected (--spec-dflash-window overrides the file; 0: the whole context, as llama.cpp).
+        window = config.option("spec_dflash_window", None)
+        self.window = (self.head.trained_window if window is None else int(window)) if self.head.windowable() else 0
+        self.context_rows = max(1, self.window - self.block_size + 1) if self.window else 0
         self.seed = int(config.option("seed", 0) or 0)
         self.seqs: dict[int, PositionStates] = {}
 
@@ -166,7 +172,8 @@ class DFlash:
             if r.limits.n_max <= 0 or state is None or state.n < n - 1 or n < 1:
                 continue
             self.context.truncate(seq.seq_id, min(state.written, n - 1))
-            start = self.context.length(seq.seq_id)
+            start = (skip_unread_rows(self.context, seq.seq_id, n - 1 - self.context_rows, state) if self.context_rows
+                     else self.context.length(seq.seq_id))
             for lo in range(start, n - 1, CATCH_UP_ROWS):
                 inject.append((seq.seq_id, lo, state.data[lo : min(n - 1, lo + CATCH_UP_ROWS)]))
             drafting.append((i, r))
@@ -183,7 +190,7 @@ class DFlash:
                 inject = later
             for i, r in drafting:
                 self.seqs[r.seq.seq_id].written = len(r.seq.tokens) - 1
-            logits = self.head.draft(blocks, self.context, self.embed, self.output)
+            logits = self.head.draft(blocks, self.context, self.embed, self.output, self.context_rows)
         except BaseException:
             for _, r in drafting:  # the drafter's rows for these sequences are unknown now: write them again
                 self.context.drop(r.seq.seq_id)
