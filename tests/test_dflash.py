@@ -365,6 +365,14 @@ def test_a_drafter_trained_on_windows_sees_that_context_and_skips_older_rows(tin
     assert compared >= 6 and differs >= 2  # the window changes the drafts
     assert make(tiny, head=str(path), spec_dflash_window=0)[0].window == 0  # the whole context
     assert make(tiny)[0].window == 0  # a file that records no window: the whole context
+    import structlog
+
+    causal = tmp_path / "causal.gguf"  # its mask is per row: it keeps the whole context, and says so when asked
+    write_head(str(causal), attrs.evolve(net.cfg, causal=True), net.gguf_weights(), target_path=tiny.target_path,
+               d2t=tiny.d2t, qtype="F32", extra={"speculant.training": json.dumps({"window": 64, "steps": 1})})
+    with structlog.testing.capture_logs() as logs:
+        assert make(tiny, head=str(causal), spec_dflash_window=64)[0].window == 0
+    assert any(e["event"] == "dflash_window_ignored" for e in logs)
 
 
 def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):

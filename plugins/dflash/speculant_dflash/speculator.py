@@ -29,9 +29,12 @@ from speculant import (Draft, DraftLimits, DraftRequest, SequenceView, Speculant
                        load_model_once)
 from speculant.drafting import (PositionStates, committed_rows, draft_generator, export_positions, file_key, held_bytes,
                                 import_positions, skip_unread_rows, store_encoded_taps)
+from speculant.logs import get_logger
 from speculant.speculator import SpeculatorConfig
 
 from speculant_dflash.head import DFlashHead
+
+log = get_logger(__name__)
 
 # Context rows injected in one forward when the drafter catches up on a prompt (bounded
 # temporaries: each row costs every layer's K and V projections only).
@@ -102,6 +105,9 @@ class DFlash:
         # injected (--spec-dflash-window overrides the file; 0: the whole context, as llama.cpp).
         window = config.option("spec_dflash_window", None)
         self.window = (self.head.trained_window if window is None else int(window)) if self.head.windowable() else 0
+        if window and not self.head.windowable():
+            log.warning("dflash_window_ignored", drafter=config.draft_model, window=int(window),
+                        reason="a causal drafter, or one with sliding-window layers or sinks, keeps the whole context")
         self.context_rows = max(1, self.window - self.block_size + 1) if self.window else 0
         self.seed = int(config.option("seed", 0) or 0)
         self.seqs: dict[int, PositionStates] = {}
