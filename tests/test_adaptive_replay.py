@@ -69,15 +69,22 @@ def forward_ms(profile: dict[int, float], rows: int) -> float:
 
 
 def replay(profile, accept_p: float, draft_ms_per_call: float, draft_ms_per_token: float, catch_up_ms_per_token=0.0,
-           n_tokens=3000, n_max=16, seed=0) -> float:
+           n_tokens=3000, n_max=16, seed=0, runs: tuple[float, float, int] | None = None) -> float:
     """Seconds per emitted token of speculative decoding, over plain decoding's (1.0 = even). A
     speculator not asked for a while first feeds the tokens it missed (a draft model's prefill:
-    `catch_up_ms_per_token`)."""
+    `catch_up_ms_per_token`). `runs` (good, share, length): acceptance comes in stretches, as
+    text's does, each `length` steps on average: `good` a token for `share` of the time, else
+    what keeps the mean at accept_p."""
     rng = random.Random(seed)
     noisy = lambda ms: ms / 1e3 * rng.uniform(0.9, 1.1)
     c = DraftLengthController()
     spent, emitted, fed = 0.0, 0, 0
+    in_good = False
     while emitted < n_tokens:
+        if runs is not None:
+            good, share, length = runs
+            in_good = rng.random() >= 1 / length if in_good else rng.random() < share / (1 - share) / length
+            accept_p_now = good if in_good else max(0.0, (accept_p - share * good) / (1 - share))
         k = c.plan("spec", n_max)
         draft_len = 0
         if k > 0:
@@ -91,14 +98,15 @@ def replay(profile, accept_p: float, draft_ms_per_call: float, draft_ms_per_toke
         t = noisy(forward_ms(profile, 1 + draft_len))
         spent += t
         c.observe_forward(1 + draft_len, t)
+        p = accept_p if runs is None else accept_p_now
         accepted = 0
-        while accepted < draft_len and rng.random() < accept_p:
+        while accepted < draft_len and rng.random() < p:
             accepted += 1
         if draft_len:
             c.observe_draft("spec", draft_len, accepted, proposed=proposed)
         elif k > 0:  # drafted, left unverified: the engine sets it against the tokens emitted next
             matched = 0
-            while matched < proposed and rng.random() < accept_p:
+            while matched < proposed and rng.random() < p:
                 matched += 1
             c.observe_shadow("spec", proposed, matched)
         emitted += accepted + 1
@@ -112,6 +120,18 @@ def test_mostly_rejected_drafts_cost_at_most_5_percent(path, accept_p, speculato
     costs, n_max = SPECULATORS[speculator]
     ratios = [replay(PROFILES[path], accept_p, *costs, n_max=n_max, seed=s) for s in range(3)]
     assert max(ratios) <= 1.05, f"{path}, acceptance {accept_p}: {ratios}"
+
+
+@pytest.mark.parametrize("path", list(PROFILES))
+@pytest.mark.parametrize("speculator", ["draft-model", "eagle3-head", "dflash-head"])
+def test_acceptance_in_runs_is_not_chased_at_a_loss(path, speculator):
+    """A costly speculator's acceptance estimate comes from the drafts it was let make, and text
+    makes them right in stretches: 15% on average, as DFlash on extract-table (twenty-fourth run),
+    but half right for a fifth of the time in runs of about 20 steps. Drafting after the lucky
+    stretches must not cost more than issue 21's 5%."""
+    costs, n_max = SPECULATORS[speculator]
+    ratios = [replay(PROFILES[path], 0.15, *costs, n_max=n_max, seed=s, runs=(0.5, 0.2, 20)) for s in range(2)]
+    assert max(ratios) <= 1.05, f"{path}, {speculator}: {ratios}"
 
 
 @pytest.mark.parametrize("path", profiles(zen3_avx2=COPIES_CUT_NEVER))
