@@ -262,38 +262,51 @@ def test_one_drafter_forward_per_step_for_all_sequences(tiny):
     assert calls and max(calls) == 3
 
 
-def test_drafts_equal_a_fresh_computation(tiny):
-    """After many steps with rejections and a long prompt fed in chunks, each draft is what the
-    trainer's module computes from scratch over the whole history: nothing drifts."""
-    spec = make(tiny)[0]
-    seen = []
-    original = spec.propose_batch
+def record_drafts(spec) -> list:
+    """(history, draft) of every draft `spec` proposes from now on; call before the engine
+    registers the speculator's hooks."""
+    seen, original = [], spec.propose_batch
 
     def spy(requests):
         out = original(requests)
         seen.extend((r.seq.tokens, d) for r, d in zip(requests, out) if d is not None)
         return out
     spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy  # before the engine registers the speculator's hooks
+    spec.propose_batch = spy
+    return seen
+
+
+def history_taps(target, history, spec, target_layers) -> torch.Tensor:
+    """The tap layers' states side by side for positions 0..n-2 of `history`, from a fresh
+    target forward in pieces of 256 rows: [n - 1, taps x n_embd]."""
+    from speculant import Batch
+
+    n = len(history)
+    ctx = target.new_context(2048)
+    hidden = {}
+    for start in range(0, n - 1, 256):
+        out = target.forward(Batch.for_sequence(0, start, list(history[start : min(n - 1, start + 256)]), logits="none"),
+                             ctx, hidden_layers=spec.hidden_layers)
+        for l, h in out.hidden.items():
+            hidden.setdefault(l, []).append(h)
+    return torch.cat([torch.cat(hidden[l - 1]) for l in target_layers], -1)
+
+
+def test_drafts_equal_a_fresh_computation(tiny):
+    """After many steps with rejections and a long prompt fed in chunks, each draft is what the
+    trainer's module computes from scratch over the whole history: nothing drifts."""
+    spec = make(tiny)[0]
+    seen = record_drafts(spec)
     engine = Engine(tiny.target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), [spec])
     engine.add(prompts(1, 600, seed=2)[0], 40, SamplingParams())
     while engine.active():
         engine.step()
     assert len(seen) >= 5
     t2d = {int(t): i for i, t in enumerate(tiny.d2t)}
-    from speculant import Batch
-
     mask = tiny.net.cfg.mask_token_id
     for history, draft in seen[-4:]:
         n = len(history)
-        ctx = tiny.target.new_context(2048)
-        hidden = {}
-        for start in range(0, n - 1, 256):
-            out = tiny.target.forward(Batch.for_sequence(0, start, list(history[start : min(n - 1, start + 256)]), logits="none"),
-                                      ctx, hidden_layers=spec.hidden_layers)
-            for l, h in out.hidden.items():
-                hidden.setdefault(l, []).append(h)
-        taps = torch.cat([torch.cat(hidden[l - 1]) for l in tiny.net.cfg.target_layers], -1)[None]
+        taps = history_taps(tiny.target, history, spec, tiny.net.cfg.target_layers)[None]
         with torch.no_grad():
             logits = tiny.net(taps, torch.tensor([[n - 1]]), torch.tensor([[[history[-1]] + [mask] * (BLOCK - 1)]]))[0, 0]
         for j, token in enumerate(draft.tokens):
@@ -307,8 +320,6 @@ def test_a_drafter_trained_on_windows_sees_that_context_and_skips_older_rows(tin
     rows before its block, as a block did in training: each draft is what the trainer's module
     computes from those rows alone. Only rows such blocks read are injected (not a 600-token
     prompt's), the output stays plain decoding's; --spec-dflash-window overrides the file."""
-    from speculant import Batch
-
     from speculant_dflash.testing import random_net
 
     net = random_net(tiny.target_path, seed=7, n_draft_vocab=N_DRAFT, block_size=BLOCK)
@@ -320,16 +331,9 @@ def test_a_drafter_trained_on_windows_sees_that_context_and_skips_older_rows(tin
                extra={"speculant.training": json.dumps({"window": 64, "steps": 1})})
     spec = make(tiny, head=str(path))[0]
     assert spec.window == 64 and spec.context_rows == 64 - BLOCK + 1
-    injected, seen = [], []
-    inject, propose = spec.head.inject, spec.propose_batch
+    injected, inject = [], spec.head.inject
     spec.head.inject = lambda parts, cache: injected.append(sum(len(x) for _, _, x in parts)) or inject(parts, cache)
-
-    def spy(requests):
-        out = propose(requests)
-        seen.extend((r.seq.tokens, d) for r, d in zip(requests, out) if d is not None)
-        return out
-    spy.speculant_impl = propose.speculant_impl
-    spec.propose_batch = spy
+    seen = record_drafts(spec)
     prompt = prompts(1, 600, seed=2)[0]
     try:
         out = run(tiny.target, [prompt], 40, [spec])[1][0]
@@ -342,24 +346,17 @@ def test_a_drafter_trained_on_windows_sees_that_context_and_skips_older_rows(tin
     compared = differs = 0
     for history, draft in seen[-6:]:
         n = len(history)
-        ctx = tiny.target.new_context(2048)
-        hidden = {}
-        for start in range(0, n - 1, 256):
-            res = tiny.target.forward(Batch.for_sequence(0, start, list(history[start : min(n - 1, start + 256)]), logits="none"),
-                                      ctx, hidden_layers=spec.hidden_layers)
-            for l, h in res.hidden.items():
-                hidden.setdefault(l, []).append(h)
-        taps = torch.cat([torch.cat(hidden[l - 1]) for l in net.cfg.target_layers], -1)[n - 1 - ctx_rows:][None]
+        all_taps = history_taps(tiny.target, history, spec, net.cfg.target_layers)
+        block = torch.tensor([[[history[-1]] + [mask] * (BLOCK - 1)]])
         with torch.no_grad():  # the window's rows alone, the block right after them
-            logits = net(taps, torch.tensor([[ctx_rows]]), torch.tensor([[[history[-1]] + [mask] * (BLOCK - 1)]]))[0, 0]
+            logits = net(all_taps[n - 1 - ctx_rows:][None], torch.tensor([[ctx_rows]]), block)[0, 0]
         for j, token in enumerate(draft.tokens):
             top2 = logits[j].topk(2)
             if float(top2.values[0] - top2.values[1]) > 0.05:  # not a near tie
                 assert t2d[token] == int(top2.indices[0]), f"draft token {j} differs from the window's computation"
                 compared += 1
         with torch.no_grad():  # the whole history's rows: what a drafter without the window sees
-            whole = net(torch.cat([torch.cat(hidden[l - 1]) for l in net.cfg.target_layers], -1)[None],
-                             torch.tensor([[n - 1]]), torch.tensor([[[history[-1]] + [mask] * (BLOCK - 1)]]))[0, 0]
+            whole = net(all_taps[None], torch.tensor([[n - 1]]), block)[0, 0]
         m = len(draft.tokens)
         differs += int(bool((whole[:m].argmax(-1) != logits[:m].argmax(-1)).any()))
     assert compared >= 6 and differs >= 2  # the window changes the drafts
