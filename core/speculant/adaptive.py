@@ -32,7 +32,9 @@ verified was accepted) still teach its class: the engine compares them with the 
 sequence then emits (`observe_shadow`), so a class wins back as soon as its drafts turn right
 (the growing drafts of a copy the sequence has started to follow), at no cost.
 
-Acceptance is tracked per spec type with exponential forgetting, the forward cost per row count.
+Acceptance is tracked per sequence and spec type with exponential forgetting, a new sequence
+starting from the spec type's over the sequences before it at the weight of one draft
+(CARRY_WEIGHT); the forward cost per row count, and each speculator's cost, over all sequences.
 A declined spec type is still probed now and then so it can win back when text turns repetitive,
 as often as PROBE_BUDGET of plain decoding's time pays for (`probe_interval`).
 A probe is two drafts in a row for one sequence, and only the second one's cost is counted: a
@@ -78,6 +80,18 @@ CUT_BELOW = 8
 # tree's copy of 48 tokens verified as 47 then costs 7.1 instead of 7.5 ms a token (the 48th
 # comes with the next step's draft). The margin keeps noise in the costs from flipping the choice.
 TRIM_MARGIN = 0.02
+# A new sequence starts from its spec type's acceptance over the sequences before it, worth this
+# many drafts at the first position: one request's text says little about the next one's (a code
+# edit copies, a new function does not), and carried at full weight (~50 drafts) a draft model
+# declined on one request stayed declined through the next, where it would have paid (served on a
+# Zen 3, draft-simple drafted nothing on free-quicksort-c after code-edit-bisect), and a head
+# accepted on one request drafted at a loss well into the next. Worth one draft, a sequence's own
+# first drafts decide: replayed on every cost profile (tests/test_adaptive_replay.py), a 90% request
+# after a 20% one gained what a fresh controller gains (draft model with AMX 0.68-0.73x plain where
+# it had stayed declined at 1.02x; heads 0.49-0.69x where 0.54-0.86x), a 20% one after a 90% one
+# lost 1-5% (heads had lost 3-17%). A sequence whose carried estimates decline a speculator still
+# probes it once on its own text.
+CARRY_WEIGHT = 1.0
 LENGTH_CLASSES = 5  # drafts of 1, 2-3, 4-7, 8-15 and 16+ tokens are estimated apart (best_length)
 
 
@@ -191,6 +205,13 @@ class Acceptance:
     def alpha(self, i: int) -> float:
         return self.alphas(i + 1)[i]
 
+    def carried(self, weight: float) -> Acceptance:
+        """A copy worth at most `weight` drafts at the first position (ratios kept): what a new
+        sequence starts from, soon outweighed by its own drafts."""
+        first = self.tried[0] if self.tried else 0.0
+        scale = min(1.0, weight / first) if first > 0 else 1.0
+        return Acceptance([t * scale for t in self.tried], [a * scale for a in self.accepted])
+
 
 @attrs.define
 class ClassAcceptance:
@@ -234,7 +255,8 @@ class DraftCost:
 class DraftLengthController:
     enabled: bool = True
     forward: ForwardCost = attrs.field(factory=ForwardCost)
-    acceptance: dict[str, Acceptance] = attrs.field(factory=dict)
+    acceptance: dict[str, Acceptance] = attrs.field(factory=dict)  # over all sequences: a new one's start
+    seq_acceptance: dict[tuple[str, int], Acceptance] = attrs.field(factory=dict)  # (spec type, sequence)
     by_length: dict[tuple[str, int], ClassAcceptance] = attrs.field(factory=dict)  # (spec type, length class)
     by_length_position: dict[tuple[str, int], Acceptance] = attrs.field(factory=dict)  # the same, by position
     costs: dict[str, DraftCost] = attrs.field(factory=dict)
@@ -242,6 +264,7 @@ class DraftLengthController:
     probing: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> probe drafts to go
     catch_up: dict[str, float] = attrs.field(factory=dict)  # spec type -> seconds of its last probe's first call
     seen: set[tuple[str, int]] = attrs.field(factory=set)  # (spec type, sequence) whose first call is behind
+    tried_here: set[tuple[str, int]] = attrs.field(factory=set)  # (spec type, sequence) drafted or probed for already
     # A recurrent target without per-row states (checkpoint/replay): every verification pays a
     # checkpoint save (and, on a rejection, its restore), and the kept tokens of a partly
     # accepted draft are computed again as rows of the next step.
@@ -252,11 +275,13 @@ class DraftLengthController:
         self.forward.observe(rows, seconds)
 
     def observe_draft(self, spec_type: str, n_drafted: int, n_accepted: int, proposed: int | None = None,
-                      share_known: bool = True) -> None:
+                      share_known: bool = True, seq_id: int = 0) -> None:
         """A verified draft: n_drafted tokens, the first n_accepted of them accepted; `proposed`:
         its length as the speculator proposed it, before best_length (default n_drafted). Not
         `share_known`: it was cut and all of it accepted, and the rest is being compared with what
         the sequence emits (observe_shadow gives its class the whole draft's share)."""
+        self._acceptance(spec_type, seq_id).observe(n_drafted, n_accepted)
+        self.tried_here.add((spec_type, seq_id))
         self.acceptance.setdefault(spec_type, Acceptance()).observe(n_drafted, n_accepted)
         key = (spec_type, length_class(proposed or n_drafted))
         self.by_length_position.setdefault(key, Acceptance()).observe(n_drafted, n_accepted)
@@ -290,9 +315,13 @@ class DraftLengthController:
         self.checkpoint.observe(seconds, 1)
 
     def forget(self, seq_id: int) -> None:
-        """The sequence ended: drop a probe left unfinished for it, and its first calls' marks."""
+        """The sequence ended: drop a probe left unfinished for it, its acceptance estimates and its
+        first calls' marks."""
         for key in [k for k in self.probing if k[1] == seq_id]:
             del self.probing[key]
+        for key in [k for k in self.seq_acceptance if k[1] == seq_id]:
+            del self.seq_acceptance[key]
+        self.tried_here = {k for k in self.tried_here if k[1] != seq_id}
         self.seen = {k for k in self.seen if k[1] != seq_id}
 
     def draft_cost(self, spec_type: str) -> float:
@@ -306,17 +335,26 @@ class DraftLengthController:
         c, t1 = self.costs.get(spec_type), self.forward.cost(1)
         return not self.replay and c is not None and t1 is not None and c.per_call() < CHEAP_CALL * t1
 
+    def _acceptance(self, spec_type: str, seq_id: int) -> Acceptance:
+        """The sequence's acceptance estimates for the spec type: its own drafts', begun from the
+        spec type's over all sequences worth CARRY_WEIGHT drafts (see CARRY_WEIGHT)."""
+        key = (spec_type, seq_id)
+        acc = self.seq_acceptance.get(key)
+        if acc is None:
+            acc = self.seq_acceptance[key] = self.acceptance.get(spec_type, Acceptance()).carried(CARRY_WEIGHT)
+        return acc
+
     def _best(self, spec_type: str, n: int, cost_per_token: float, optimistic: bool = False,
-              acc: Acceptance | None = None) -> tuple[int, float] | None:
-        """(k, E(k) / T(k)) for the k in 0..n that maximizes it (acceptance `acc`, default the spec
-        type's over all its drafts); None before the forward cost is known. With
+              acc: Acceptance | None = None, seq_id: int = 0) -> tuple[int, float] | None:
+        """(k, E(k) / T(k)) for the k in 0..n that maximizes it (acceptance `acc`, default the
+        sequence's for the spec type); None before the forward cost is known. With
         `optimistic`, a verification whose cost is not known yet is taken to cost what a plain
         step does (a lower bound): a draft that does not pay even then is declined, any other
         is verified and so measured."""
         t1 = self.forward.cost(1)
         if t1 is None or (self.forward.cost(2) is None and not optimistic):
             return None
-        acc = acc or self.acceptance.get(spec_type, Acceptance())
+        acc = acc or self._acceptance(spec_type, seq_id)
         best_k, best_rate = 0, 1.0 / t1
         expected, p = 1.0, 1.0
         alphas = acc.alphas(n)
@@ -351,10 +389,17 @@ class DraftLengthController:
             return min(n_max, PROBE_LENGTH)  # the probe's second draft, whose cost is measured
         if self.cheap(spec_type):
             return n_max  # its draft decides (best_length)
-        best = self._best(spec_type, n_max, self.draft_cost(spec_type), optimistic=True)
+        best = self._best(spec_type, n_max, self.draft_cost(spec_type), optimistic=True, seq_id=seq_id)
         if best is None:
             return n_max  # learn: verify and measure
         k = best[0]
+        if k == 0 and (spec_type, seq_id) not in self.tried_here:
+            # Declined on the strength of earlier sequences alone: probe once on this one's text
+            # (a draft model caught up on its prompt in `begin`, so this costs two short drafts).
+            self.tried_here.add((spec_type, seq_id))
+            self.probing[(spec_type, seq_id)] = 2
+            return min(n_max, PROBE_LENGTH)
+        self.tried_here.add((spec_type, seq_id))
         if k == 0:
             streak = self.declined_in_a_row.get(spec_type, 0) + 1
             self.declined_in_a_row[spec_type] = streak
@@ -381,7 +426,7 @@ class DraftLengthController:
         probe = self.catch_up.get(spec_type, 0.0) + 2 * (PROBE_LENGTH * self.draft_cost(spec_type) + extra_rows)
         return int(min(PROBE_EVERY_MAX, max(PROBE_EVERY, math.ceil(probe / (PROBE_BUDGET * t1)))))
 
-    def best_length(self, spec_type: str, n: int) -> int:
+    def best_length(self, spec_type: str, n: int, seq_id: int = 0) -> int:
         """How many of the n drafted tokens are worth verifying. A costly speculator's draft: at
         least 1 (the decision to draft was `plan`'s, and the drafting is paid for). A cheap one's:
         all, a trim or a cut, or 0, by its length class (see the module's doc); 0: the step decodes
@@ -389,7 +434,7 @@ class DraftLengthController:
         if not self.enabled or n == 0:
             return n
         if not self.cheap(spec_type):
-            best = self._best(spec_type, n, 0.0)
+            best = self._best(spec_type, n, 0.0, seq_id=seq_id)
             return n if best is None else max(1, best[0])
         t1, tn = self.forward.cost(1), self.forward.cost(1 + n)
         if t1 is None or tn is None:

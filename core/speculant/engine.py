@@ -666,7 +666,7 @@ class Engine:
                     if cut_and_kept:  # the rest of the draft, set against what the sequence emits (this step's tokens on)
                         self._shadows.setdefault(seq.seq_id, []).append(_Shadow(draft.spec_type, proposed))
                     self.controller.observe_draft(draft.spec_type, len(draft), n_accepted, proposed=len(proposed),
-                                                  share_known=not cut_and_kept)
+                                                  share_known=not cut_and_kept, seq_id=seq.seq_id)
             self._compare_shadow(seq, new[seq.seq_id])
         self._tell_accepts()
         return new
@@ -763,7 +763,7 @@ class Engine:
                     continue
                 if n_valid < len(draft):
                     draft = Draft(draft.tokens[:n_valid], draft.spec_type, None if draft.probs is None else draft.probs[:n_valid])
-            keep = self.controller.best_length(draft.spec_type, len(draft))
+            keep = self.controller.best_length(draft.spec_type, len(draft), seq.seq_id)
             if keep == 0:  # not worth its verification rows: the step decodes plainly
                 self._declined(seq, draft.spec_type)
                 self._shadows.setdefault(seq.seq_id, []).append(_Shadow(draft.spec_type, draft.tokens))
