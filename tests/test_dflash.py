@@ -25,6 +25,8 @@ from speculant_dflash import DFlashHead
 from speculant_dflash.layout import write_head
 from speculant_dflash.testing import write_random_head
 
+from drafter_spies import record_drafts
+
 N_DRAFT = 300
 BLOCK = 4
 
@@ -262,20 +264,6 @@ def test_one_drafter_forward_per_step_for_all_sequences(tiny):
     assert calls and max(calls) == 3
 
 
-def record_drafts(spec) -> list:
-    """(history, draft) of every draft `spec` proposes from now on; call before the engine
-    registers the speculator's hooks."""
-    seen, original = [], spec.propose_batch
-
-    def spy(requests):
-        out = original(requests)
-        seen.extend((r.seq.tokens, d) for r, d in zip(requests, out) if d is not None)
-        return out
-    spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy
-    return seen
-
-
 def history_taps(target, history, spec, target_layers) -> torch.Tensor:
     """The tap layers' states side by side for positions 0..n-2 of `history`, from a fresh
     target forward in pieces of 256 rows: [n - 1, taps x n_embd]."""
@@ -378,16 +366,11 @@ def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):
     params = lambda seed: SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
     spec = make(tiny)[0]
     prompt = prompts(1, 12, seed=9)[0]
-    drafts = []
-    original = spec.propose_batch
-    spy = lambda requests: [drafts.append(d) or d for d in original(requests)]
-    spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy
+    got = record_drafts(spec, lambda r, d: d)
     engine = Engine(tiny.target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), [spec])
     engine.add(prompt, 6, params(1))
     while engine.active():
         engine.step()
-    got = [d for d in drafts if d is not None]
     assert got and all(d.probs is not None and d.probs.shape == (len(d), tiny.target.info.n_vocab) for d in got)
     assert all(float(d.probs[j, t]) > 0 for d in got for j, t in enumerate(d.tokens))
 
@@ -516,14 +499,7 @@ def test_drafts_equal_llama_cpp_draft_dflash(case, ref, tmp_path):
     head, _, _ = write_random_head(tmp_path / "dflash.gguf", target_path, **case["head"])
     target = load_model(target_path, progress=False)
     spec = build_speculators(["dflash"], {"seed": 1}, target=target, draft_model=head)[0]
-    rounds, original = [], spec.propose_batch
-
-    def spy(requests):
-        out = original(requests)
-        rounds.extend(list(d.tokens) for d in out if d is not None)
-        return out
-    spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy
+    rounds = record_drafts(spec, lambda r, d: list(d.tokens))
     n_max = case["head"]["block_size"] - 1
     engine = Engine(target, EngineConfig(n_ctx=2048, draft_n_max=n_max, adaptive=False), [spec])
     seq = engine.add(ref["prompt"], len(ref["llama_tokens"]), SamplingParams())

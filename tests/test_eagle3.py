@@ -21,6 +21,8 @@ from speculant_eagle3 import Eagle3Head
 from speculant_eagle3.layout import write_head
 from speculant_eagle3.testing import write_random_head
 
+from drafter_spies import record_drafts, windowed_run as recorded_run
+
 N_DRAFT = 300
 
 
@@ -117,15 +119,7 @@ def test_drafts_equal_a_fresh_computation(tiny):
     """After many steps with rejections and a long prompt fed in chunks, each draft is what the
     trainer's module computes from scratch over the whole history: nothing drifts."""
     spec = make(tiny)[0]
-    seen = []
-    original = spec.propose_batch
-
-    def spy(requests):
-        out = original(requests)
-        seen.extend((r.seq.tokens, d) for r, d in zip(requests, out) if d is not None)
-        return out
-    spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy  # before the engine registers the speculator's hooks
+    seen = record_drafts(spec)
     engine = Engine(tiny.target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), [spec])
     engine.add(prompts(1, 600, seed=2)[0], 40, SamplingParams())
     while engine.active():
@@ -171,8 +165,6 @@ def test_a_head_trained_on_windows_attends_over_its_window_and_skips_older_rows(
     differ from attending over all 600), computes only the rows those windows read (the drafts
     are the same as with every prompt row written), and the output stays plain decoding's;
     --spec-eagle3-window overrides the file."""
-    from test_mtp import windowed_run as recorded_run
-
     head_path, _, _ = write_random_head(tmp_path / "head-windowed.gguf", tiny.target_path, n_draft_vocab=N_DRAFT,
                                         extra={"speculant.training": json.dumps({"window": 64, "steps": 1})})
     prompt = prompts(1, 600, seed=6)[0]
@@ -198,16 +190,11 @@ def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny):
     params = lambda seed: SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
     spec = make(tiny)[0]
     prompt = prompts(1, 12, seed=9)[0]
-    drafts = []
-    original = spec.propose_batch
-    spy = lambda requests: [drafts.append(d) or d for d in original(requests)]
-    spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy
+    got = record_drafts(spec, lambda r, d: d)
     engine = Engine(tiny.target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), [spec])
     engine.add(prompt, 6, params(1))
     while engine.active():
         engine.step()
-    got = [d for d in drafts if d is not None]
     assert got and all(d.probs is not None and d.probs.shape == (len(d), tiny.target.info.n_vocab) for d in got)
     # distribution of the second generated token (the first that can be drafted), 300 runs each
     def second_tokens(speculators):

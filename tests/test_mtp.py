@@ -5,7 +5,6 @@ chunks, exactness alone, in chains and for concurrent sequences on a plain and a
 sampling from the target's distribution, and `speculant train mtp`."""
 from __future__ import annotations
 
-import importlib
 import json
 from types import SimpleNamespace
 
@@ -22,6 +21,8 @@ from speculant.speculator import build_speculators
 from speculant.testing.tiny_gguf import write_tiny_model
 from speculant_mtp import MtpHead, has_nextn, read_config, split_sidecar
 from speculant_mtp.testing import write_random_sidecar
+
+from drafter_spies import draft_tokens, record_drafts, windowed_run
 
 Q35 = dict(n_layers=5, recurrent_layers=[True, False, True, True, False], head_dim=32, n_rot=8,
            rope_sections=[1, 1, 1, 1], n_ctx=2048, seed=22)
@@ -196,15 +197,7 @@ def test_gated_head_matches_the_training_module(tiny, tmp_path):
 # --- drafting --------------------------------------------------------------------------------
 def _drafts(target, draft, ps, n=20):
     spec = make(target, draft)[0]
-    seen = []
-    original = spec.propose_batch
-
-    def spy(requests):
-        out = original(requests)
-        seen.extend(d.tokens for d in out if d is not None)
-        return out
-    spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy  # before the engine registers the speculator's hooks
+    seen = record_drafts(spec, draft_tokens)
     run(target, ps, n, [spec])
     return seen
 
@@ -253,15 +246,7 @@ def test_drafts_equal_a_fresh_computation(tiny, which):
     else:
         net = tiny.net
     spec = make(target, draft)[0]
-    seen = []
-    original = spec.propose_batch
-
-    def spy(requests):
-        out = original(requests)
-        seen.extend((r.seq.tokens, d) for r, d in zip(requests, out) if d is not None)
-        return out
-    spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy
+    seen = record_drafts(spec)
     engine = Engine(target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), [spec])
     engine.add(prompts(1, 600, seed=2)[0], 40, SamplingParams())
     while engine.active():
@@ -286,32 +271,6 @@ def test_drafts_equal_a_fresh_computation(tiny, which):
                 assert token == int(top2.indices[0]), f"draft token {j} differs from a fresh computation"
                 checked += 1
     assert checked
-
-
-def windowed_run(spec, run_engine, skip=True):
-    """(drafts, head rows computed, output) of `run_engine(spec)` (one greedy request, its output
-    tokens) with a hidden-state speculator whose plugin catches up through skip_unread_rows
-    (MTP, EAGLE3); `skip` False: every prompt row written, as without a window."""
-    module = importlib.import_module(type(spec).__module__)
-    rows, seen = [], []
-    decode, propose = spec.head.decode, spec.propose_batch
-    spec.head.decode = lambda batch, *a, **k: rows.append(len(batch)) or decode(batch, *a, **k)
-
-    def spy(requests):
-        out = propose(requests)
-        seen.extend(d.tokens for d in out if d is not None)
-        return out
-    spy.speculant_impl = propose.speculant_impl
-    spec.propose_batch = spy
-    saved = module.skip_unread_rows
-    if not skip:
-        module.skip_unread_rows = lambda context, seq_id, first_read, state: context.length(seq_id)
-    try:
-        out = run_engine(spec)
-    finally:
-        module.skip_unread_rows = saved
-        spec.head.decode = decode  # the head is loaded once per process
-    return seen, sum(rows), out
 
 
 def _windowed_run(target, draft, prompt, skip=True, **options):
@@ -349,15 +308,7 @@ def test_a_windowed_head_computes_skipped_rows_when_a_cached_prompt_reaches_back
 
     def drafts_of_second(cached: bool):
         spec = make(tiny.q2, windowed)[0]
-        seen = []
-        propose = spec.propose_batch
-
-        def spy(requests):
-            out = propose(requests)
-            seen.extend((len(r.seq.tokens), d.tokens) for r, d in zip(requests, out) if d is not None and list(r.seq.tokens[:320]) == second)
-            return out
-        spy.speculant_impl = propose.speculant_impl
-        spec.propose_batch = spy
+        seen = record_drafts(spec, lambda r, d: (len(r.seq.tokens), d.tokens) if list(r.seq.tokens[:320]) == second else None)
         engine = Engine(tiny.q2, EngineConfig(n_ctx=2048, draft_n_max=4, adaptive=False), [spec])
         entry = None
         if cached:
@@ -426,16 +377,12 @@ def test_sampled_drafts_carry_probabilities_and_keep_the_distribution(tiny, whic
 
 def _drafts_sampled(target, draft, prompt, params):
     spec = make(target, draft)[0]
-    drafts = []
-    original = spec.propose_batch
-    spy = lambda requests: [drafts.append(d) or d for d in original(requests)]
-    spy.speculant_impl = original.speculant_impl
-    spec.propose_batch = spy
+    drafts = record_drafts(spec, lambda r, d: d)
     engine = Engine(target, EngineConfig(n_ctx=2048, draft_n_max=3, adaptive=False), [spec])
     engine.add(prompt, 6, params)
     while engine.active():
         engine.step()
-    return [d for d in drafts if d is not None]
+    return drafts
 
 
 # --- training --------------------------------------------------------------------------------
