@@ -46,6 +46,9 @@ WRONG_ANSWERS = {
     "bool tokens": Draft((True,), "wrong"),
     "probs not a tensor": Draft((0, 1), "wrong", [[0.5]]),
     "probs over another vocabulary": Draft((0, 1), "wrong", torch.full((2, 7), 1 / 7)),
+    "confidence not numbers": Draft((0, 1), "wrong", None, ("sure", "sure")),
+    "confidence too short": Draft((0, 1), "wrong", None, (0.9,)),
+    "confidence not a probability": Draft((0, 1), "wrong", None, (0.9, 1.5)),
 }
 
 

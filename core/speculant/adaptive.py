@@ -213,6 +213,43 @@ class Acceptance:
         return Acceptance([t * scale for t in self.tried], [a * scale for a in self.accepted])
 
 
+# A costly speculator's draft that says how sure it is of each token (`Draft.confidence`) is cut
+# where its tokens' chances, read off how often tokens of such confidence were right, stop paying
+# for their verification rows (or not verified at all): the chances by position alone cannot tell
+# a sure draft from a guess. Lower edges of the confidence bins; a bin's prior is its midpoint,
+# worth CALIBRATION_PRIOR tokens.
+CONFIDENCE_BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+CALIBRATION_PRIOR = 2.0
+
+
+def confidence_bin(c: float) -> int:
+    return max(i for i, edge in enumerate(CONFIDENCE_BINS) if c >= edge or i == 0)
+
+
+@attrs.define
+class Calibration:
+    """Decayed counts, per confidence bin, of a speculator's draft tokens tried (all before them
+    right) and right."""
+
+    tried: list[float] = attrs.field(factory=lambda: [0.0] * len(CONFIDENCE_BINS))
+    right: list[float] = attrs.field(factory=lambda: [0.0] * len(CONFIDENCE_BINS))
+
+    def observe(self, confidence: tuple[float, ...], n_tokens: int, n_right: int) -> None:
+        self.tried = [t * DECAY for t in self.tried]
+        self.right = [r * DECAY for r in self.right]
+        for i in range(min(n_right + 1, n_tokens, len(confidence))):
+            b = confidence_bin(confidence[i])
+            self.tried[b] += 1
+            self.right[b] += i < n_right
+
+    def chance(self, c: float) -> float:
+        """How likely a token drafted with confidence c is right (all before it being right)."""
+        b = confidence_bin(c)
+        upper = CONFIDENCE_BINS[b + 1] if b + 1 < len(CONFIDENCE_BINS) else 1.0
+        prior = (CONFIDENCE_BINS[b] + upper) / 2
+        return (self.right[b] + prior * CALIBRATION_PRIOR) / (self.tried[b] + CALIBRATION_PRIOR)
+
+
 @attrs.define
 class ClassAcceptance:
     """Decayed count of one length class's drafts (of a cheap speculator) and sum of the share of
@@ -260,6 +297,7 @@ class DraftLengthController:
     by_length: dict[tuple[str, int], ClassAcceptance] = attrs.field(factory=dict)  # (spec type, length class)
     by_length_position: dict[tuple[str, int], Acceptance] = attrs.field(factory=dict)  # the same, by position
     costs: dict[str, DraftCost] = attrs.field(factory=dict)
+    calibration: dict[str, Calibration] = attrs.field(factory=dict)  # spec type -> its confidences' worth
     declined_in_a_row: dict[str, int] = attrs.field(factory=dict)
     probing: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> probe drafts to go
     catch_up: dict[str, float] = attrs.field(factory=dict)  # spec type -> seconds of its last probe's first call
@@ -275,23 +313,41 @@ class DraftLengthController:
         self.forward.observe(rows, seconds)
 
     def observe_draft(self, spec_type: str, n_drafted: int, n_accepted: int, proposed: int | None = None,
-                      share_known: bool = True, seq_id: int = 0) -> None:
+                      share_known: bool = True, seq_id: int = 0, confidence: tuple[float, ...] | None = None) -> None:
         """A verified draft: n_drafted tokens, the first n_accepted of them accepted; `proposed`:
         its length as the speculator proposed it, before best_length (default n_drafted). Not
         `share_known`: it was cut and all of it accepted, and the rest is being compared with what
-        the sequence emits (observe_shadow gives its class the whole draft's share)."""
-        self._acceptance(spec_type, seq_id).observe(n_drafted, n_accepted)
+        the sequence emits (observe_shadow gives its class the whole draft's share). `confidence`:
+        the draft's, for its tokens' calibration."""
+        if confidence:
+            self.calibration.setdefault(spec_type, Calibration()).observe(confidence, n_drafted, n_accepted)
         self.tried_here.add((spec_type, seq_id))
-        self.acceptance.setdefault(spec_type, Acceptance()).observe(n_drafted, n_accepted)
+        if share_known or self.cheap(spec_type):  # else its shadow tells how far the whole draft was right
+            self._observe_positions(spec_type, seq_id, n_drafted, n_accepted)
         key = (spec_type, length_class(proposed or n_drafted))
         self.by_length_position.setdefault(key, Acceptance()).observe(n_drafted, n_accepted)
         if share_known:
             self.by_length.setdefault(key, ClassAcceptance()).observe(proposed or n_drafted, n_accepted)
 
-    def observe_shadow(self, spec_type: str, proposed: int, n_matched: int) -> None:
+    def _observe_positions(self, spec_type: str, seq_id: int, n_drafted: int, n_accepted: int) -> None:
+        self._acceptance(spec_type, seq_id).observe(n_drafted, n_accepted)
+        self.acceptance.setdefault(spec_type, Acceptance()).observe(n_drafted, n_accepted)
+
+    def observe_shadow(self, spec_type: str, proposed: int, n_matched: int,
+                       confidence: tuple[float, ...] | None = None, seq_id: int = 0) -> None:
         """A draft of `proposed` tokens that best_length left unverified (or cut, and the part
         verified was accepted): set against what the sequence emitted, its first n_matched tokens
-        were the same."""
+        were the same. Its confidences (the whole draft's) are calibrated by it too:
+        a guess that was not verified still says what such guesses are worth. A costly speculator's
+        shadow is its whole draft's outcome for the acceptance by position, which `plan` drafts by:
+        counted only as far as it was verified, a draft cut to its sure tokens would look surer
+        than the speculator is."""
+        if confidence:
+            self.calibration.setdefault(spec_type, Calibration()).observe(confidence, len(confidence),
+                                                                          min(n_matched, len(confidence)))
+        if not self.cheap(spec_type):
+            self._observe_positions(spec_type, seq_id, proposed, n_matched)
+            return
         self.by_length.setdefault((spec_type, length_class(proposed)), ClassAcceptance()).observe(proposed, n_matched)
 
     def observe_cost(self, spec_type: str, seconds: float, n_tokens: int, seq_id: int = 0) -> None:
@@ -426,7 +482,7 @@ class DraftLengthController:
         probe = self.catch_up.get(spec_type, 0.0) + 2 * (PROBE_LENGTH * self.draft_cost(spec_type) + extra_rows)
         return int(min(PROBE_EVERY_MAX, max(PROBE_EVERY, math.ceil(probe / (PROBE_BUDGET * t1)))))
 
-    def best_length(self, spec_type: str, n: int, seq_id: int = 0) -> int:
+    def best_length(self, spec_type: str, n: int, seq_id: int = 0, confidence: tuple[float, ...] | None = None) -> int:
         """How many of the n drafted tokens are worth verifying. A costly speculator's draft: at
         least 1 (the decision to draft was `plan`'s, and the drafting is paid for). A cheap one's:
         all, a trim or a cut, or 0, by its length class (see the module's doc); 0: the step decodes
@@ -434,6 +490,8 @@ class DraftLengthController:
         if not self.enabled or n == 0:
             return n
         if not self.cheap(spec_type):
+            if confidence is not None and len(confidence) >= n:
+                return self._by_confidence(spec_type, n, confidence)
             best = self._best(spec_type, n, 0.0, seq_id=seq_id)
             return n if best is None else max(1, best[0])
         t1, tn = self.forward.cost(1), self.forward.cost(1 + n)
@@ -449,6 +507,23 @@ class DraftLengthController:
         else:
             best_k, best_rate = self._trim(n, share, best_rate)
         return best_k if best_rate > (1 - DROP_MARGIN) / t1 else 0
+
+    def _by_confidence(self, spec_type: str, n: int, confidence: tuple[float, ...]) -> int:
+        """A costly speculator's draft cut where its tokens' calibrated chances stop paying for
+        their rows (0: not verified; the drafting is paid for either way)."""
+        t1 = self.forward.cost(1)
+        if t1 is None or self.forward.cost(2) is None:
+            return n  # learn: verify and measure
+        calibration = self.calibration.get(spec_type, Calibration())
+        best_k, best_rate = 0, 1.0 / t1
+        expected, p = 1.0, 1.0
+        for k in range(1, n + 1):
+            p *= calibration.chance(confidence[k - 1])
+            expected += p
+            rate = expected / self.forward.cost(1 + k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
 
     def _trim(self, n: int, share: float, whole_rate: float) -> tuple[int, float]:
         """A long draft of n tokens (share: its class's acceptance) trimmed to the k >= CUT_BELOW

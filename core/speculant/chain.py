@@ -202,16 +202,23 @@ def _checked(name: str, draft: Any) -> Draft | None:
     if probs is not None and not (isinstance(probs, torch.Tensor) and probs.dim() == 2 and probs.shape[0] >= len(tokens)):
         shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
         raise TypeError(f"{name}: the draft's probs must be a tensor [{len(tokens)}, n_vocab], got {shape}")
-    if type(draft.tokens) is tuple and all(type(t) is int for t in draft.tokens):  # the usual case: as it is
-        return draft
-    return Draft(tokens, draft.spec_type, probs)
+    confidence = draft.confidence
+    if confidence is not None:
+        try:
+            confidence = tuple(float(c) for c in confidence)
+        except (TypeError, ValueError):
+            confidence = ()
+        if len(confidence) < len(tokens) or not all(0.0 <= c <= 1.0 for c in confidence):
+            raise TypeError(f"{name}: the draft's confidence must be a probability for each of its {len(tokens)} tokens, "
+                            f"got {draft.confidence!r:.80}")
+    if type(draft.tokens) is tuple and all(type(t) is int for t in draft.tokens) and confidence == draft.confidence:
+        return draft  # the usual case: as it is
+    return Draft(tokens, draft.spec_type, probs, confidence)
 
 
 def _trim(draft: Draft, n_max: int) -> Draft:
     """A speculator may not exceed the limit; trim rather than overrun the context."""
-    if len(draft) <= n_max:
-        return draft
-    return Draft(draft.tokens[:n_max], draft.spec_type, None if draft.probs is None else draft.probs[:n_max])
+    return draft.prefix(n_max)
 
 
 @attrs.define(eq=False)

@@ -236,12 +236,14 @@ class DraftChain:
     generator: torch.Generator | None
     tokens: list[int] = attrs.field(factory=list)
     probs: list[torch.Tensor] = attrs.field(factory=list)
+    confidence: list[float] = attrs.field(factory=list)
 
     def add(self, token: int, p: float, probs: torch.Tensor | None) -> bool:
         """Append a pick; False when the chain ends (below p_min, the pick is dropped; at n_max)."""
         if p < self.limits.p_min:
             return False
         self.tokens.append(token)
+        self.confidence.append(p)
         if probs is not None:
             self.probs.append(probs)
         return len(self.tokens) < self.limits.n_max
@@ -250,4 +252,4 @@ class DraftChain:
         if not self.tokens or len(self.tokens) < self.limits.n_min:
             return None
         probs = torch.stack(self.probs) if self.probs and len(self.probs) == len(self.tokens) else None
-        return Draft(tuple(self.tokens), spec_type, probs)
+        return Draft(tuple(self.tokens), spec_type, probs, tuple(self.confidence))

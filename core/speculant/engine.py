@@ -247,6 +247,7 @@ class _Shadow:
 
     spec_type: str
     tokens: tuple[int, ...]
+    confidence: tuple[float, ...] | None = None  # the speculator's, for its calibration
     matched: int = 0  # its first tokens that the sequence emitted, in order
     done: bool = False
 
@@ -290,7 +291,7 @@ class Engine:
         self.chain = SpeculatorChain(list(speculators), deadline=config.spec_deadline, grace=config.spec_grace,
                                      revive=config.spec_revive)
         self.controller = DraftLengthController(enabled=config.adaptive)
-        self._proposed: dict[int, tuple[int, ...]] = {}  # sequence -> its draft as proposed, until verified
+        self._proposed: dict[int, Draft] = {}  # sequence -> its draft as proposed, until verified
         self._shadows: dict[int, list[_Shadow]] = {}  # sequence -> drafts left unverified, set against what it emits
         self.controller.replay = self.recurrent and not self.row_rollback
         self.spec_stats: dict[str, SpecTypeStats] = {}
@@ -661,12 +662,15 @@ class Engine:
                 st.add(len(draft), n_accepted)
                 st.verify_seconds += share
                 if draft.spec_type != GRAMMAR_SPEC_TYPE:  # the controller plans the speculators' drafts only
-                    proposed = self._proposed.pop(seq.seq_id, draft.tokens)
+                    proposed = self._proposed.pop(seq.seq_id, draft)
                     cut_and_kept = n_accepted == len(draft) < len(proposed)
                     if cut_and_kept:  # the rest of the draft, set against what the sequence emits (this step's tokens on)
-                        self._shadows.setdefault(seq.seq_id, []).append(_Shadow(draft.spec_type, proposed))
+                        self._shadows.setdefault(seq.seq_id, []).append(
+                            _Shadow(draft.spec_type, proposed.tokens, proposed.confidence))
+                    # a cut draft's confidences are calibrated by its shadow, whole
                     self.controller.observe_draft(draft.spec_type, len(draft), n_accepted, proposed=len(proposed),
-                                                  share_known=not cut_and_kept, seq_id=seq.seq_id)
+                                                  share_known=not cut_and_kept, seq_id=seq.seq_id,
+                                                  confidence=None if cut_and_kept else draft.confidence)
             self._compare_shadow(seq, new[seq.seq_id])
         self._tell_accepts()
         return new
@@ -687,7 +691,8 @@ class Engine:
                     shadow.done = True
                     break
             if shadow.done:
-                self.controller.observe_shadow(shadow.spec_type, len(shadow.tokens), shadow.matched)
+                self.controller.observe_shadow(shadow.spec_type, len(shadow.tokens), shadow.matched, shadow.confidence,
+                                               seq.seq_id)
         self._shadows[seq.seq_id] = [s for s in shadows if not s.done]
 
     def _tell_accepts(self) -> None:
@@ -762,15 +767,15 @@ class Engine:
                 if n_valid < max(1, request.limits.n_min):
                     continue
                 if n_valid < len(draft):
-                    draft = Draft(draft.tokens[:n_valid], draft.spec_type, None if draft.probs is None else draft.probs[:n_valid])
-            keep = self.controller.best_length(draft.spec_type, len(draft), seq.seq_id)
+                    draft = draft.prefix(n_valid)
+            keep = self.controller.best_length(draft.spec_type, len(draft), seq.seq_id, draft.confidence)
             if keep == 0:  # not worth its verification rows: the step decodes plainly
                 self._declined(seq, draft.spec_type)
-                self._shadows.setdefault(seq.seq_id, []).append(_Shadow(draft.spec_type, draft.tokens))
+                self._shadows.setdefault(seq.seq_id, []).append(_Shadow(draft.spec_type, draft.tokens, draft.confidence))
                 continue
-            self._proposed[seq.seq_id] = draft.tokens  # its length class; the rest, if it is cut
+            self._proposed[seq.seq_id] = draft  # its length class; the rest, if it is cut
             if keep < len(draft):
-                draft = Draft(draft.tokens[:keep], draft.spec_type, None if draft.probs is None else draft.probs[:keep])
+                draft = draft.prefix(keep)
             drafts[seq.seq_id] = draft
         return drafts
 

@@ -102,14 +102,25 @@ class TokenLogprob:
 @attrs.frozen
 class Draft:
     """Tokens a speculator proposes. `probs` [len(tokens), n_vocab] (the draft distribution each
-    token was sampled from) enables rejection sampling; without it the engine uses sample-and-match."""
+    token was sampled from) enables rejection sampling; without it the engine uses sample-and-match.
+    `confidence`: each token's probability under the speculator as it drafted it (at temperature 0
+    its top probability), which the engine's controller weighs when it decides how much of the
+    draft to verify; None where the speculator has no such number (a copy of earlier text)."""
 
     tokens: tuple[int, ...]
     spec_type: str = ""
     probs: torch.Tensor | None = attrs.field(default=None, eq=False)
+    confidence: tuple[float, ...] | None = attrs.field(default=None, eq=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def prefix(self, n: int) -> Draft:
+        """The first n tokens, with their distributions and confidences."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], self.spec_type, None if self.probs is None else self.probs[:n],
+                     None if self.confidence is None else self.confidence[:n])
 
 
 @attrs.frozen

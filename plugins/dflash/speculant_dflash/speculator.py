@@ -212,7 +212,7 @@ class DFlash:
         seq, limits = r.seq, r.limits
         temperature = float(getattr(seq, "temperature", 0.0) or 0.0)
         logits = logits.float()
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         if temperature <= 0:
             top = torch.argmax(logits, dim=-1)
             p = torch.exp(logits.gather(1, top[:, None])[:, 0] - torch.logsumexp(logits, -1))
@@ -220,6 +220,7 @@ class DFlash:
                 if float(p[j]) < limits.p_min:
                     break
                 tokens.append(self._target_id(int(top[j])))
+                confidence.append(float(p[j]))
         else:
             gen = draft_generator(self.seed, seq)
             q = torch.softmax(logits / temperature, -1)
@@ -229,6 +230,7 @@ class DFlash:
                 if float(q[j, pick]) < limits.p_min:
                     break
                 tokens.append(self._target_id(pick))
+                confidence.append(float(q[j, pick]))
                 full = torch.zeros(self.n_vocab)
                 if self.d2t is None:
                     full[: min(q.shape[1], self.n_vocab)] = q[j, : self.n_vocab]
@@ -237,7 +239,7 @@ class DFlash:
                 probs.append(full)
         if not tokens or len(tokens) < limits.n_min:
             return None
-        return Draft(tuple(tokens), self.spec_type, torch.stack(probs) if probs else None)
+        return Draft(tuple(tokens), self.spec_type, torch.stack(probs) if probs else None, tuple(confidence))
 
     def _target_id(self, draft_id: int) -> int:
         return int(self.d2t[draft_id]) if self.d2t is not None else draft_id

@@ -59,6 +59,7 @@ class _Drafting:
     n_min: int
     p_min: float
     tokens: list[int] = attrs.field(factory=list)
+    confidence: list[float] = attrs.field(factory=list)
 
 
 class DraftSimple:
@@ -132,6 +133,7 @@ class DraftSimple:
                         self._finish(out, a)
                         continue
                     a.tokens.append(tok)
+                    a.confidence.append(p)
                     if len(a.tokens) >= a.n_max:
                         self._finish(out, a)
                         continue
@@ -206,4 +208,4 @@ class DraftSimple:
     def _finish(self, out: list[Draft | None], a: _Drafting) -> None:
         """A sequence stopped drafting; a draft shorter than n_min is dropped, as in llama.cpp."""
         if a.tokens and len(a.tokens) >= a.n_min:
-            out[a.index] = Draft(tuple(a.tokens), self.spec_type)
+            out[a.index] = Draft(tuple(a.tokens), self.spec_type, confidence=tuple(a.confidence))
