@@ -111,7 +111,7 @@ class SpeculatorContract:
     def test_proposes_only_valid_tokens(self, driver, tiny_models):
         """Token ids are ints in [0, n_vocab); a draft is None or non-empty (an empty Draft would
         end the chain's search); probabilities, if any, are distributions that give the
-        proposed token a non-zero chance."""
+        proposed token a non-zero chance; confidences, if any, a probability for each token."""
         n_vocab = tiny_models.target.info.n_vocab
         d = driver()
         for i, text in enumerate(self.texts(2, 3)):
@@ -133,6 +133,10 @@ class SpeculatorContract:
                 assert torch.allclose(p.sum(-1), torch.ones(len(s.draft)), atol=1e-3), "each probs row must sum to 1"
                 picked = p[torch.arange(len(s.draft)), torch.tensor(s.draft.tokens)]
                 assert (picked > 0).all(), "a proposed token has probability 0 in its own draft distribution"
+            if s.draft.confidence is not None:
+                c = s.draft.confidence
+                assert len(c) == len(s.draft) and all(isinstance(x, float) and 0.0 <= x <= 1.0 for x in c), \
+                    f"confidence must be a probability (float) for each of the {len(s.draft)} tokens, got {c!r:.80}"
         self.require_drafts(d.drafts(), "three sequences")
 
     def test_never_more_than_the_limit(self, driver):
