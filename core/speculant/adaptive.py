@@ -490,7 +490,8 @@ class DraftLengthController:
         if not self.enabled or n == 0:
             return n
         if not self.cheap(spec_type):
-            if confidence is not None and len(confidence) >= n:
+            # (on the replay path a verification also costs a checkpoint, which only _best counts)
+            if confidence is not None and len(confidence) >= n and not self.replay:
                 return self._by_confidence(spec_type, n, confidence)
             best = self._best(spec_type, n, 0.0, seq_id=seq_id)
             return n if best is None else max(1, best[0])
