@@ -28,8 +28,18 @@ import argparse
 import json
 import sys
 
+from speculant.adaptive import CALIBRATION_PRIOR, CONFIDENCE_BINS, ForwardCost, confidence_bin
+
 ZEN3_MS = {1: 79.2, 2: 93.8, 3: 104.0, 4: 125.8, 5: 162.1, 6: 202.0, 7: 218.0, 8: 261.9}
-BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+def row_costs(ms: dict[int, float]) -> ForwardCost:
+    """The profile as the controller reads it: `.cost(rows)` in seconds, measured row counts as
+    given, others interpolated the controller's way."""
+    costs = ForwardCost()
+    for rows, milliseconds in ms.items():
+        costs.observe(rows, milliseconds / 1e3)
+    return costs
 
 
 def record(out: str, cli_args: list[str]) -> int:
@@ -64,44 +74,38 @@ def blind(cli_args: list[str]) -> int:
     return main(cli_args)
 
 
-def bin_of(c: float) -> int:
-    return max(i for i, edge in enumerate(BINS) if c >= edge or i == 0)
-
-
-POSITIONS = 1  # position classes calibrated apart (1: all together, as the controller does)
-
-
-def fit(drafts: list[dict], positions: int = POSITIONS) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
-    """(chance, tried, right) per position class and bin; a token counts when all before it
-    were accepted."""
-    tried = [[0.0] * len(BINS) for _ in range(positions)]
-    right = [[0.0] * len(BINS) for _ in range(positions)]
+def fit(drafts: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """(chance, tried, right) per confidence bin, as the controller's calibration counts them but
+    without its forgetting; a token counts when all before it were accepted."""
+    tried, right = [0.0] * len(CONFIDENCE_BINS), [0.0] * len(CONFIDENCE_BINS)
     for d in drafts:
         for i in range(min(d["accepted"] + 1, d["n"])):
-            p, b = min(i, positions - 1), bin_of(d["confidence"][i])
-            tried[p][b] += 1
-            right[p][b] += i < d["accepted"]
-    mid = [(BINS[i] + (BINS[i + 1] if i + 1 < len(BINS) else 1.0)) / 2 for i in range(len(BINS))]
-    chance = [[(right[p][i] + 2 * mid[i]) / (tried[p][i] + 2) for i in range(len(BINS))] for p in range(positions)]
+            b = confidence_bin(d["confidence"][i])
+            tried[b] += 1
+            right[b] += i < d["accepted"]
+    upper = CONFIDENCE_BINS[1:] + (1.0,)
+    chance = [(right[b] + (CONFIDENCE_BINS[b] + upper[b]) / 2 * CALIBRATION_PRIOR) / (tried[b] + CALIBRATION_PRIOR)
+              for b in range(len(CONFIDENCE_BINS))]
     return chance, tried, right
 
 
 def analyse(path: str, ms: dict[int, float], draft_ms: float) -> None:
     drafts = json.load(open(path))
-    _, tried, right = fit(drafts, positions=1)
+    _, tried, right = fit(drafts)
     print("confidence bin: right/tried (all positions)")
-    for i, edge in enumerate(BINS):
-        if tried[0][i]:
-            print(f"  {edge:.2f}+  {int(right[0][i])}/{int(tried[0][i])} = {right[0][i] / tried[0][i]:.2f}")
+    for i, edge in enumerate(CONFIDENCE_BINS):
+        if tried[i]:
+            print(f"  {edge:.2f}+  {int(right[i])}/{int(tried[i])} = {right[i] / tried[i]:.2f}")
     n_max = max(d["n"] for d in drafts)
     for i in range(n_max):
         t = sum(1 for d in drafts if d["n"] > i and d["accepted"] >= i)
         a = sum(1 for d in drafts if d["n"] > i and d["accepted"] > i)
         print(f"position {i}: {a}/{t} accepted")
-    cost = lambda rows: ms.get(rows, ms[max(ms)] * rows / max(ms))
+    cost = row_costs(ms).cost  # seconds
+    draft_s = draft_ms / 1e3
     for k in range(1, n_max + 1):
         tokens = sum(min(d["accepted"], k) + 1 for d in drafts)
-        seconds = sum(draft_ms * min(k, d["n"]) + cost(min(k, d["n"]) + 1) for d in drafts)
+        seconds = sum(draft_s * min(k, d["n"]) + cost(min(k, d["n"]) + 1) for d in drafts)
         print(f"fixed k={k}: {tokens / seconds * cost(1):.3f}x plain")
     tokens = seconds = 0.0
     for half in (0, 1):
@@ -109,12 +113,12 @@ def analyse(path: str, ms: dict[int, float], draft_ms: float) -> None:
         for d in drafts[half::2]:
             best_k, best_rate, expected, p = 0, 1 / cost(1), 1.0, 1.0
             for k in range(1, d["n"] + 1):
-                p *= chance[min(k - 1, POSITIONS - 1)][bin_of(d["confidence"][k - 1])]
+                p *= chance[confidence_bin(d["confidence"][k - 1])]
                 expected += p
                 if expected / cost(k + 1) > best_rate:
                     best_k, best_rate = k, expected / cost(k + 1)
             tokens += min(d["accepted"], best_k) + 1
-            seconds += draft_ms * min(d["n"], best_k + 1) + cost(best_k + 1)
+            seconds += draft_s * min(d["n"], best_k + 1) + cost(best_k + 1)
     print(f"confidence cut: {tokens / seconds * cost(1):.3f}x plain")
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """`speculant bench` with each run's decode time modeled: every verification forward priced from
-a row-cost profile (default the Zen 3's, scripts/draft_calibration.py's ZEN3_MS) instead of timed,
+a row-cost profile (default the Zen 3's, scripts/draft_calibration.py's ZEN3_MS, read as the
+controller reads its measurements) instead of timed,
 plus the drafter's measured seconds. On a box whose speed moves more than the difference being
 measured, this keeps what the controller decided and drops the box's speed.
 
@@ -23,19 +24,8 @@ import speculant.engine as engine  # noqa: E402
 from speculant.cli import main  # noqa: E402
 
 
-def row_cost(rows: int, ms: dict[int, float]) -> float:
-    """Seconds of a forward of `rows` rows: measured, or linear between the nearest two."""
-    if rows in ms:
-        return ms[rows] / 1e3
-    known = sorted(ms)
-    lo = max((r for r in known if r < rows), default=known[0])
-    hi = min((r for r in known if r > rows), default=None)
-    if hi is None:
-        return ms[lo] * rows / lo / 1e3
-    return (ms[lo] + (ms[hi] - ms[lo]) * (rows - lo) / (hi - lo)) / 1e3
-
-
 def run(mode: str, cli_args: list[str], ms: dict[int, float] = draft_calibration.ZEN3_MS) -> int:
+    costs = draft_calibration.row_costs(ms)
     records: dict[int, dict] = {}
     order: list[dict] = []
     init = engine.Engine.__init__
@@ -50,7 +40,7 @@ def run(mode: str, cli_args: list[str], ms: dict[int, float] = draft_calibration
 
     def forward(self, rows, seconds):
         if (rec := records.get(id(self))) is not None:
-            rec["forward"] += row_cost(rows, ms)
+            rec["forward"] += costs.cost(rows)
             rec["steps"] += 1
         return observe_forward(self, rows, seconds)
 
