@@ -81,19 +81,22 @@ def replay(profile, accept_p: float, draft_ms_per_call: float, draft_ms_per_toke
 
 def replay_session(profile, requests: list[tuple[float, int]], draft_ms_per_call: float, draft_ms_per_token: float,
                    catch_up_ms_per_token=0.0, n_max=16, seed=0, runs: tuple[float, float, int] | None = None,
-                   confident: tuple[float, float, float] | None = None, tell_confidence=True) -> list[float]:
+                   confident: tuple[float, float, float] | None = None, tell_confidence=True,
+                   first_rejected: int = 0) -> list[float]:
     """`replay` for requests (acceptance, tokens) answered one after the other by one controller,
     each a sequence of its own (the engine forgets a sequence when it ends): per request, its
     seconds per token over plain decoding's. A request's prompt is caught up on in `begin`.
     `confident` (share, right when sure, right when unsure): each draft token is sure (confidence
     0.92) for that share of tokens, else unsure (0.25), and right as often as given (the request's
-    acceptance is then unused); the controller is told the confidences if `tell_confidence`."""
+    acceptance is then unused); the controller is told the confidences if `tell_confidence`.
+    `first_rejected`: the first drafts of each request after the first, that many, are rejected
+    whole (an answer's start)."""
     rng = random.Random(seed)
     noisy = lambda ms: ms / 1e3 * rng.uniform(0.9, 1.1)
     c = DraftLengthController()
     ratios = []
     for seq, (accept_p, n_tokens) in enumerate(requests):
-        spent, emitted, fed = 0.0, 0, 0
+        spent, emitted, fed, verified = 0.0, 0, 0, 0
         in_good = False
         while emitted < n_tokens:
             if runs is not None:
@@ -138,6 +141,10 @@ def replay_session(profile, requests: list[tuple[float, int]], draft_ms_per_call
             accepted = 0
             while accepted < draft_len and rng.random() < p:
                 accepted += 1
+            if draft_len:
+                verified += 1
+                if seq and verified <= first_rejected:
+                    accepted = 0
             if draft_len:
                 c.observe_draft("spec", draft_len, accepted, proposed=proposed, seq_id=seq)
             elif k > 0:  # drafted, left unverified: the engine sets it against the tokens emitted next
@@ -189,6 +196,35 @@ def test_each_request_is_judged_on_its_own_text(path, speculator):
         assert wrong <= 1.05, f"{path}, {speculator}, seed {seed}: the wrong request after a right one {wrong:.3f}"
         assert right_again <= max(fresh, 1.0) + 0.1, \
             f"{path}, {speculator}, seed {seed}: a right request after a wrong one {right_again:.3f}, fresh {fresh:.3f}"
+
+
+HARD_START_ZEN4 = ("a draft model pays least on the Zen 4's profile (2 rows 1.27x one), so a request's own "
+                   "evidence declines it on a 3-of-5 start: the median seed loses 0.07 of a plain step's time "
+                   "to the hard start (0.10 before MIN_OWN_DRAFTS)")
+
+
+@pytest.mark.parametrize("speculator, path", [
+    *[pytest.param("draft-model", p, marks=pytest.mark.xfail(strict=True, reason=HARD_START_ZEN4))
+      if p == "zen4 avx512" else ("draft-model", p) for p in PROFILES],
+    *[("eagle3-head", p) for p in PROFILES]])
+def test_a_hard_start_does_not_decline_a_speculator_for_the_request(speculator, path):
+    """An answer's first tokens are the hardest to guess: a speculator right 90% of the time, on a
+    request after another such one, has its first two drafts rejected. Judged on those two alone
+    it was declined for the rest of the answer (served on the Zen 3: a draft model drafted 6 of
+    extract-table's 346 tokens, where it drafts at 95%; in this replay the median seed lost 0.22
+    of a plain step's time to the hard start). Drafting on until the request's own evidence
+    decides (MIN_OWN_DRAFTS), the median seed of 8 loses at most 0.05."""
+    profile = PROFILES[path]
+    costs, n_max = SPECULATORS[speculator]
+    if speculator == "draft-model":  # the 0.5B drafts a token in about 0.28 of the 1.5B's plain step
+        costs = (costs[0], 0.28 * profile[1], costs[2])
+    gaps = []
+    for seed in range(8):
+        hard = replay_session(profile, [(0.9, 300), (0.9, 300)], *costs, n_max=n_max, seed=seed, first_rejected=2)[1]
+        easy = replay_session(profile, [(0.9, 300), (0.9, 300)], *costs, n_max=n_max, seed=seed)[1]
+        gaps.append(hard - easy)
+    gaps.sort()
+    assert (gaps[3] + gaps[4]) / 2 <= 0.05, f"{path}, {speculator}: the hard start's cost by seed {[round(g, 3) for g in gaps]}"
 
 
 @pytest.mark.parametrize("path", list(PROFILES))
