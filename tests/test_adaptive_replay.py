@@ -145,7 +145,6 @@ def replay_session(profile, requests: list[tuple[float, int]], draft_ms_per_call
                 verified += 1
                 if seq and verified <= first_rejected:
                     accepted = 0
-            if draft_len:
                 c.observe_draft("spec", draft_len, accepted, proposed=proposed, seq_id=seq)
             elif k > 0:  # drafted, left unverified: the engine sets it against the tokens emitted next
                 matched = 0
