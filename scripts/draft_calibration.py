@@ -28,7 +28,7 @@ import argparse
 import json
 import sys
 
-from speculant.adaptive import CALIBRATION_PRIOR, CONFIDENCE_BINS, ForwardCost, confidence_bin
+from speculant.adaptive import CONFIDENCE_BINS, Calibration, ForwardCost, confidence_bin
 
 ZEN3_MS = {1: 79.2, 2: 93.8, 3: 104.0, 4: 125.8, 5: 162.1, 6: 202.0, 7: 218.0, 8: 261.9}
 
@@ -74,24 +74,22 @@ def blind(cli_args: list[str]) -> int:
     return main(cli_args)
 
 
-def fit(drafts: list[dict]) -> tuple[list[float], list[float], list[float]]:
-    """(chance, tried, right) per confidence bin, as the controller's calibration counts them but
-    without its forgetting; a token counts when all before it were accepted."""
-    tried, right = [0.0] * len(CONFIDENCE_BINS), [0.0] * len(CONFIDENCE_BINS)
+def fit(drafts: list[dict]) -> Calibration:
+    """The drafts' calibration as the controller counts it, without its forgetting; a token
+    counts when all before it were accepted."""
+    cal = Calibration()
     for d in drafts:
         for i in range(min(d["accepted"] + 1, d["n"])):
             b = confidence_bin(d["confidence"][i])
-            tried[b] += 1
-            right[b] += i < d["accepted"]
-    upper = CONFIDENCE_BINS[1:] + (1.0,)
-    chance = [(right[b] + (CONFIDENCE_BINS[b] + upper[b]) / 2 * CALIBRATION_PRIOR) / (tried[b] + CALIBRATION_PRIOR)
-              for b in range(len(CONFIDENCE_BINS))]
-    return chance, tried, right
+            cal.tried[b] += 1
+            cal.right[b] += i < d["accepted"]
+    return cal
 
 
 def analyse(path: str, ms: dict[int, float], draft_ms: float) -> None:
     drafts = json.load(open(path))
-    _, tried, right = fit(drafts)
+    cal = fit(drafts)
+    tried, right = cal.tried, cal.right
     print("confidence bin: right/tried (all positions)")
     for i, edge in enumerate(CONFIDENCE_BINS):
         if tried[i]:
@@ -109,11 +107,11 @@ def analyse(path: str, ms: dict[int, float], draft_ms: float) -> None:
         print(f"fixed k={k}: {tokens / seconds * cost(1):.3f}x plain")
     tokens = seconds = 0.0
     for half in (0, 1):
-        chance = fit(drafts[1 - half :: 2])[0]
+        chance = fit(drafts[1 - half :: 2]).chance
         for d in drafts[half::2]:
             best_k, best_rate, expected, p = 0, 1 / cost(1), 1.0, 1.0
             for k in range(1, d["n"] + 1):
-                p *= chance[confidence_bin(d["confidence"][k - 1])]
+                p *= chance(d["confidence"][k - 1])
                 expected += p
                 if expected / cost(k + 1) > best_rate:
                     best_k, best_rate = k, expected / cost(k + 1)
