@@ -4,6 +4,7 @@ them, and trainers mixing data directories."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from speculant import load_model
 from speculant.distill import SCRATCH_ASKS, SCRATCH_TAILS, answer, documents, requests
+from speculant.distill_tasks import EXCLUDED, TASK_ASKS, TASK_LANGUAGES, TASK_TAILS, TASKS
 from speculant.engine import Engine, EngineConfig
 from speculant.recording import StateRecorder
 from speculant.testing.tiny_gguf import write_tiny_model
@@ -59,6 +61,29 @@ def test_scratch_requests_ask_for_code_from_a_description():
         assert not any(w["messages"][-1]["content"][:60] in u for u in users)
     with pytest.raises(ValueError, match="unknown request kind"):
         next(requests(SOURCES, "other"))
+
+
+def test_task_requests_cover_the_catalog_and_leave_the_measured_asks_out():
+    """The tasks kind: every (task, language) pair once, in a fixed order, phrased every way; no
+    request names what a head is measured on (the public free-quicksort-c, the --free check's asks)."""
+    asked = list(requests([], "tasks"))
+    assert asked == list(requests([], "tasks")) and len(asked) == len(TASKS) * len(TASK_LANGUAGES)
+    users = [m[-1]["content"] for m in asked]
+    assert len(set(users)) == len(users)
+    for _, what in TASKS:  # each task's description is asked in every language
+        assert sum(what[1:] in u for u in users) == len(TASK_LANGUAGES), what
+    for lang in TASK_LANGUAGES:
+        named = re.compile(rf"\b(in|a) {re.escape(lang)}(?![\w+])")
+        assert sum(bool(named.search(u)) for u in users) == len(TASKS), lang
+    assert all(any(u.startswith(a.split("{")[0]) for u in users) for a in TASK_ASKS)
+    assert all(sum(u.endswith(t) for u in users) > 20 for t in TASK_TAILS if t)
+    assert " a a" not in " ".join(users) and " a e" not in " ".join(users)  # articles agree
+    text = [" ".join(part["content"] for part in m).lower() for m in asked]
+    assert not any(word in t for t in text for word in EXCLUDED)
+    assert {"quicksort", "lru", "stack"} <= set(EXCLUDED)
+    workloads = json.load(open("tests/data/workloads-public.json"))
+    for w in workloads if isinstance(workloads, list) else workloads["workloads"]:
+        assert not any(w["messages"][-1]["content"][:40] in u for u in users)
 
 
 def test_answers_are_the_targets_greedy_answers_and_resume(tiny, tmp_path):

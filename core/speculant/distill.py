@@ -23,7 +23,9 @@ demo program or a small library for what its docstring says, with or without "on
 drafter meets such answers often (nothing in the request to copy), and the assistant kind above
 holds few: the EAGLE3 head trained on it was right 0.60 of the time at its first step on unseen
 requests of that kind, and its first draft token was accepted 0.27-0.53 of the time on
-from-scratch asks (docs/benchmarks.md, twentieth run).
+from-scratch asks (docs/benchmarks.md, twentieth run). A third kind, ``kind="tasks"``, asks for
+everyday programming tasks (an algorithm, a data structure, a small tool) from a catalog written
+for this project, in eight languages (``speculant.distill_tasks``).
 
 None of the benchmark workloads, nor text written for them, is among them: they are generic
 assistant tasks over other inputs. :data:`SYSTEMS` holds the system prompts used (or none).
@@ -44,6 +46,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
+from speculant.distill_tasks import task_requests
 from speculant.sources import source_files
 
 __all__ = ["CODE_ASKS", "DATA_ASKS", "KINDS", "SCRATCH_ASKS", "SPEC_ASKS", "SYSTEMS", "answer", "documents", "requests"]
@@ -85,7 +88,7 @@ SCRATCH_ASKS = (
 SCRATCH_TAILS = ("", " Only code, please.", " Just the code, no explanations.", " Keep it short.",
                  " Add comments where it helps.")
 FIELDS = ("name", "version", "summary", "license", "requires_python")
-KINDS = ("assist", "scratch")
+KINDS = ("assist", "scratch", "tasks")
 
 
 def _order(key: str) -> str:
@@ -195,9 +198,14 @@ def _data_request(k: int, records: list[dict]) -> str:
 def requests(globs: list[str], kind: str = "assist") -> Iterator[list[dict]]:
     """Chat requests (messages, without the answer), endlessly varied over the files of `globs`
     and the installed distributions; the same order on every run and machine with the same files.
-    `kind`: "assist" (work on given code or data) or "scratch" (code written from a description)."""
+    `kind`: "assist" (work on given code or data), "scratch" (code written from a description) or
+    "tasks" (everyday programming tasks from ``speculant.distill_tasks``' catalog, 1000 requests;
+    `globs` unused)."""
     if kind not in KINDS:
         raise ValueError(f"unknown request kind {kind!r}: one of {', '.join(KINDS)}")
+    if kind == "tasks":
+        yield from task_requests()
+        return
     if kind == "scratch":
         yield from _scratch_requests(globs)
         return

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from speculant.distill import KINDS as ANSWER_KINDS
 from speculant.recording import StateRecorder, read_back
 from speculant.sources import default_sources, source_files
 
@@ -385,9 +386,9 @@ def add_recipe_arguments(p) -> None:
     p.add_argument("--answer-from", type=int, default=0, metavar="N",
                    help="with --recipe self: answer the requests from the N-th of the recipe's fixed order on (default 0), "
                         "e.g. past those an earlier head was trained on")
-    p.add_argument("--answer-kind", choices=("assist", "scratch"), default="assist",
-                   help="with --recipe self: assist (work on given code or data, default) or scratch (code written from "
-                        "a description); one kind to an answers file")
+    p.add_argument("--answer-kind", choices=ANSWER_KINDS, default="assist",
+                   help="with --recipe self: assist (work on given code or data, default), scratch (code written from "
+                        "a description) or tasks (everyday programming tasks from a catalog); one kind to an answers file")
     p.add_argument("--mix", action="append", default=[], metavar="DIR",
                    help="another data directory, already collected for the same layers, to train on as well (repeatable)")
 
