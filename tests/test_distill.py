@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from speculant import load_model
-from speculant.distill import SCRATCH_ASKS, SCRATCH_TAILS, answer, documents, requests
-from speculant.distill_tasks import EXCLUDED, TASK_ASKS, TASK_LANGUAGES, TASK_TAILS, TASKS
+from speculant.distill import SCRATCH_ASKS, SCRATCH_TAILS, TASK_LANGUAGES, answer, documents, requests
+from speculant.distill_tasks import EXCLUDED, TASK_ASKS, TASK_TAILS, TASKS
 from speculant.engine import Engine, EngineConfig
 from speculant.recording import StateRecorder
 from speculant.testing.tiny_gguf import write_tiny_model

@@ -46,12 +46,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
-from speculant.distill_tasks import task_requests
+from speculant.distill_tasks import TASK_ASKS, TASK_TAILS, TASKS
 from speculant.sources import source_files
 
-__all__ = ["CODE_ASKS", "DATA_ASKS", "KINDS", "SCRATCH_ASKS", "SPEC_ASKS", "SYSTEMS", "answer", "documents", "requests"]
+__all__ = ["CODE_ASKS", "DATA_ASKS", "KINDS", "SCRATCH_ASKS", "SPEC_ASKS", "SYSTEMS", "TASK_LANGUAGES", "answer", "documents",
+           "requests"]
 
 LANGUAGES = ("C", "C++", "Rust", "Go", "JavaScript", "Java", "TypeScript")
+TASK_LANGUAGES = ("Python", *LANGUAGES)
 SYSTEMS = (None, "You are a helpful assistant.", "You are a careful senior software engineer.",
            "Answer with code only, no explanations.", "You are a concise assistant for programmers.")
 CODE_ASKS = (
@@ -146,6 +148,24 @@ def _scratch_requests(globs: list[str]) -> Iterator[list[dict]]:
             yield ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
 
+def _with_article(noun: str) -> str:
+    return ("an " if noun[0].lower() in "aeio" or noun.startswith(("HTTP", "INI")) else "a ") + noun
+
+
+def _task_requests() -> Iterator[list[dict]]:
+    """Every (task, language) pair of the catalog once, in a fixed pseudo-random order, with the
+    phrasing, tail and system prompt varying along the order."""
+    pairs = sorted(((t, lang) for t in range(len(TASKS)) for lang in TASK_LANGUAGES),
+                   key=lambda p: _order(f"{TASKS[p[0]][0]}|{p[1]}"))
+    for k, (t, lang) in enumerate(pairs):
+        task, what = TASKS[t]
+        user = TASK_ASKS[k % len(TASK_ASKS)].format(a_task=_with_article(task), lang=lang, what=what,
+                                                    what_cap=what[0].upper() + what[1:])
+        user += TASK_TAILS[(k // len(TASK_ASKS)) % len(TASK_TAILS)]
+        system = SYSTEMS[(k // 3) % len(SYSTEMS)]
+        yield ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
 def _functions(path: str) -> list[tuple[str, str, str]]:
     """(name, source, docstring summary) of the file's top-level functions of 5-60 lines."""
     parsed = _parsed(path)
@@ -204,7 +224,7 @@ def requests(globs: list[str], kind: str = "assist") -> Iterator[list[dict]]:
     if kind not in KINDS:
         raise ValueError(f"unknown request kind {kind!r}: one of {', '.join(KINDS)}")
     if kind == "tasks":
-        yield from task_requests()
+        yield from _task_requests()
         return
     if kind == "scratch":
         yield from _scratch_requests(globs)

@@ -4,7 +4,7 @@ The scratch kind asks for equivalents of documented functions of the installed p
 are often narrow ("an equivalent of `sympy.printing.julia.julia_code` in C"). What a coding
 assistant is asked most is broader: a well-known algorithm, data structure, small tool or
 exercise, in some language, often with "only code". This catalog holds such tasks, written for
-this project, each asked in several languages and phrasings.
+this project; ``speculant.distill`` asks each in several languages and phrasings.
 
 Left out on purpose, so that no head is trained on what it is measured on: sorting demos
 (the public benchmark's free-quicksort-c asks for one) and the asks of ``scripts/dev_workloads.py
@@ -13,10 +13,7 @@ Left out on purpose, so that no head is trained on what it is measured on: sorti
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Iterator
-
-__all__ = ["EXCLUDED", "TASK_ASKS", "TASKS", "task_requests"]
+__all__ = ["EXCLUDED", "TASK_ASKS", "TASK_TAILS", "TASKS"]
 
 # (what to build, a sentence on what it must do)
 TASKS = (
@@ -149,7 +146,7 @@ TASKS = (
 
 TASK_ASKS = (
     "Write {a_task} in {lang}: {what}.",
-    "Implement {a_task} in {lang}. It should {what_verb}",
+    "Implement {a_task} in {lang}. It should do this: {what}.",
     "Show me a {lang} program for this: {what}.",
     "How would I write {a_task} in {lang}? {what_cap}.",
     "Create {a_task} in {lang} with a main that shows it working. {what_cap}.",
@@ -157,31 +154,6 @@ TASK_ASKS = (
 )
 TASK_TAILS = ("", " Only code, please.", " Keep it short.", " Explain the idea first, then give the code.",
               " Add comments where it helps.", " Include a short example of its output.")
-TASK_LANGUAGES = ("Python", "C", "C++", "Rust", "Go", "JavaScript", "Java", "TypeScript")
-TASK_SYSTEMS = (None, "You are a helpful assistant.", "You are a careful senior software engineer.",
-                "Answer with code only, no explanations.", "You are a concise assistant for programmers.")
 # Words no request may contain (the benchmark's and the independent check's asks).
 EXCLUDED = ("quicksort", "quick sort", "lru", "stack", "packages")
 
-
-def _order(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def _with_article(noun: str) -> str:
-    return ("an " if noun[0].lower() in "aeio" or noun.startswith(("HTTP", "INI")) else "a ") + noun
-
-
-def task_requests() -> Iterator[list[dict]]:
-    """Every (task, language) pair once, in a fixed pseudo-random order, with the phrasing, tail
-    and system prompt varying along the order."""
-    pairs = sorted(((t, lang) for t in range(len(TASKS)) for lang in TASK_LANGUAGES),
-                   key=lambda p: _order(f"{TASKS[p[0]][0]}|{p[1]}"))
-    for k, (t, lang) in enumerate(pairs):
-        task, what = TASKS[t]
-        ask = TASK_ASKS[k % len(TASK_ASKS)]
-        user = ask.format(a_task=_with_article(task), lang=lang, what=what, what_cap=what[0].upper() + what[1:],
-                          what_verb=f"do this: {what}.")
-        user += TASK_TAILS[(k // len(TASK_ASKS)) % len(TASK_TAILS)]
-        system = TASK_SYSTEMS[(k // 3) % len(TASK_SYSTEMS)]
-        yield ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
