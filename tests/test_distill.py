@@ -3,8 +3,12 @@ built from local files, the target's greedy answers written resumably, shards co
 them, and trainers mixing data directories."""
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,3 +255,22 @@ def test_training_gets_the_cores_back_from_the_loaded_target():
         assert training_threads(1) == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_answers_tail_holds_what_a_training_with_those_tokens_did_not_read(tmp_path):
+    # A training with --tokens N reads documents in file order up to the one that crosses N;
+    # the tail is every answer after that one, and reading it back yields exactly its rows.
+    rows = [{"index": i, "prompt": [1] * (3 + i), "answer": [2] * 4, "finish": "stop"} for i in range(6)]
+    src = tmp_path / "answers.jsonl.gz"
+    with gzip.open(src, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = tmp_path / "tail.jsonl"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "answers_tail.py"
+    # documents of 7, 8, 9, ... rows: 15 rows end with the second, 16 end inside the third
+    for tokens, kept in ((15, [2, 3, 4, 5]), (16, [3, 4, 5])):
+        done = subprocess.run([sys.executable, str(script), str(src), str(tokens), str(out)], capture_output=True, text=True,
+                              check=True)
+        assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == kept
+        rows = sum(map(len, (ids for _, ids in documents(str(out)))))
+        assert rows == sum(3 + i + 4 for i in kept)
+        assert f"{len(kept)} answers after the first {6 - len(kept)}, {rows} rows" in done.stdout
