@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+from itertools import accumulate
 
 
 def main() -> None:
@@ -24,18 +25,13 @@ def main() -> None:
     opener = gzip.open if args.answers.endswith(".gz") else open
     with opener(args.answers, "rt") as f:
         lines = [line for line in f if line.strip()]
-    seen, cut = 0, len(lines)
-    for k, line in enumerate(lines):
-        row = json.loads(line)
-        seen += len(row["prompt"]) + len(row["answer"])
-        if seen >= args.rows:
-            cut = k + 1
-            break
-    tail = lines[cut:]
+    sizes = [len(row["prompt"]) + len(row["answer"]) for row in map(json.loads, lines)]
+    # collect checks the count before each document, so the one that reaches `rows` was read
+    cut = next((k + 1 for k, seen in enumerate(accumulate(sizes)) if seen >= args.rows), len(lines))
     with open(args.out, "w") as f:
-        f.writelines(tail)
-    rows = sum(len(r["prompt"]) + len(r["answer"]) for r in map(json.loads, tail))
-    print(f"{args.out}: {len(tail)} answers after the first {cut}, {rows} rows")
+        f.writelines(lines[cut:])
+    tail, rows = len(lines) - cut, sum(sizes[cut:])
+    print(f"{args.out}: {tail} answers after the first {cut}, {rows} rows")
 
 
 if __name__ == "__main__":

@@ -271,6 +271,6 @@ def test_answers_tail_holds_what_a_training_with_those_tokens_did_not_read(tmp_p
         done = subprocess.run([sys.executable, str(script), str(src), str(tokens), str(out)], capture_output=True, text=True,
                               check=True)
         assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == kept
-        rows = sum(map(len, (ids for _, ids in documents(str(out)))))
-        assert rows == sum(3 + i + 4 for i in kept)
-        assert f"{len(kept)} answers after the first {6 - len(kept)}, {rows} rows" in done.stdout
+        read = sum(map(len, (ids for _, ids in documents(str(out)))))
+        assert read == sum(3 + i + 4 for i in kept)
+        assert f"{len(kept)} answers after the first {6 - len(kept)}, {read} rows" in done.stdout
