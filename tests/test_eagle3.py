@@ -270,6 +270,49 @@ def test_train_init_starts_from_a_trained_head(tiny, tmp_path):
                                  target_embedding(tiny.target_path)), str(first))
 
 
+def test_top1_weight_mixes_the_hard_cross_entropy_in(tiny):
+    """`--top1-weight w`: each step's loss is (1 - w) * the soft loss + w * the cross-entropy
+    against the target's top-1; rows whose top-1 is outside the draft vocabulary count in
+    neither the hard term nor the accuracy."""
+    import torch.nn.functional as F
+
+    from speculant_eagle3.testing import head_config_for, target_embedding
+    from speculant_eagle3.train.loop import step_losses
+    from speculant_eagle3.train.net import Eagle3Net
+
+    torch.manual_seed(0)
+    cfg = head_config_for(tiny.target_path, n_draft_vocab=50, n_ff=64, target_layers=(1, 2, 3))
+    net = Eagle3Net(cfg, target_embedding(tiny.target_path))
+    B, T, K, steps = 2, 6, 4, 2
+    tokens = torch.randint(0, 50, (B, T + steps))
+    taps = torch.randn(B, T, 3 * cfg.n_embd)
+    ids = torch.randint(0, 50, (B, T + steps, K))
+    p = torch.softmax(torch.randn(B, T + steps, K), -1)
+    top1 = ids[..., 0].clone()
+    top1[0, 1] = -1  # a top-1 the draft vocabulary lacks
+    labels = (ids, p, top1)
+    with torch.no_grad():
+        soft, acc = step_losses(net, tokens, taps, labels, steps)
+        mixed, acc_mixed = step_losses(net, tokens, taps, labels, steps, top1_weight=0.25)
+        outs = net.unrolled(tokens, taps, steps)
+    assert acc == acc_mixed
+    for j, logits in enumerate(outs):
+        lp = F.log_softmax(logits.float(), -1)
+        t1 = top1[:, j : j + T]
+        ok = t1 >= 0
+        hard = -lp.gather(-1, t1.clamp_min(0).unsqueeze(-1)).squeeze(-1)[ok].mean()
+        assert torch.allclose(mixed[j], 0.75 * soft[j] + 0.25 * hard, atol=1e-5)
+        assert not torch.allclose(soft[j], hard)
+
+
+def test_train_refuses_a_top1_weight_outside_0_to_1(tiny, tmp_path, capsys):
+    from speculant.cli import main
+
+    assert main(["train", "eagle3", "-m", tiny.target_path, "-o", str(tmp_path / "h.gguf"), "--data", str(tmp_path / "d"),
+                 "--top1-weight", "1.5"]) == 2
+    assert "--top1-weight" in capsys.readouterr().err
+
+
 def test_layout_keeps_the_norm_epsilon(tmp_path):
     """The head's RMSNorm epsilon is read back from the key the writer writes (a target whose
     epsilon is not the 1e-6 default shows a misspelt key)."""

@@ -5,6 +5,9 @@
 * Loss: at unrolled step j the logits of anchor p are trained against the target's
   distribution of the token at p + j + 2 (its top-K, renormalised over the draft vocabulary),
   cross-entropy weighted 0.8^j; accuracy = the head's argmax equals the target's top-1.
+  `top1_weight` w > 0 mixes in the cross-entropy against the target's top-1 alone:
+  (1 - w) * soft + w * hard. Greedy drafting is accepted only where the head's argmax is the
+  target's, which the soft loss pursues only indirectly.
 * The head starts from the target where the shapes allow it: lm_head rows from the target's
   output head, output_norm from the target's; the rest is random (std 0.02).
 * Held-out: every 20th document (by a hash of its index) is never trained on; its per-step
@@ -73,7 +76,7 @@ class Batches:
         return d.clamp_min(0), p, self.t2d[ids[..., 0]]
 
 
-def step_losses(net: Eagle3Net, tokens, taps, labels, steps: int):
+def step_losses(net: Eagle3Net, tokens, taps, labels, steps: int, top1_weight: float = 0.0):
     d_ids, d_p, top1 = labels
     outs = net.unrolled(tokens, taps, steps)
     losses, accs = [], []
@@ -81,8 +84,12 @@ def step_losses(net: Eagle3Net, tokens, taps, labels, steps: int):
     for j, logits in enumerate(outs):
         lp = F.log_softmax(logits.float(), dim=-1)
         ids, p, t1 = d_ids[:, j : j + T], d_p[:, j : j + T], top1[:, j : j + T]
-        losses.append(-(lp.gather(-1, ids) * p).sum(-1).mean())
+        loss = -(lp.gather(-1, ids) * p).sum(-1).mean()
         ok = t1 >= 0
+        if top1_weight > 0:
+            hard = -(lp.gather(-1, t1.clamp_min(0).unsqueeze(-1)).squeeze(-1) * ok).sum() / ok.sum().clamp_min(1)
+            loss = (1 - top1_weight) * loss + top1_weight * hard
+        losses.append(loss)
         accs.append(((logits.argmax(-1) == t1) & ok).sum().item() / max(1, ok.sum().item()))
     return losses, accs
 
@@ -124,7 +131,7 @@ def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: i
 def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
           window: int = 256, steps: int = 3, lr: float = 3e-4, save_every: int = 100, seed: int = 0, mix: tuple = (),
           always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False,
-          init: str | None = None):
+          init: str | None = None, top1_weight: float = 0.0):
     """Train (or resume) and return (net, d2t, held-out accuracies, steps done). Stops early
     after `time_limit` seconds with a checkpoint, so a later run continues. `bf16`: matmuls in
     bfloat16 under autocast (weights and optimizer stay float32), 3-4x faster where the CPU
@@ -171,7 +178,7 @@ def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str,
             group["lr"] = lr * sched(step)
         tokens, taps, labels = batches.batch(batch)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            losses, accs = step_losses(net, tokens, taps, labels, steps)
+            losses, accs = step_losses(net, tokens, taps, labels, steps, top1_weight)
             loss = sum(STEP_WEIGHT ** j * l for j, l in enumerate(losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()
