@@ -514,3 +514,35 @@ def test_drafts_equal_llama_cpp_draft_dflash(case, ref, tmp_path):
     first = sum(a[:1] == b[:1] for a, b in pairs)
     whole = sum(a == b[: len(a)] for a, b in pairs)
     assert first >= 0.9 * len(pairs) and whole >= 0.8 * len(pairs), (first, whole, len(pairs))
+
+
+def test_top1_weight_mixes_the_hard_cross_entropy_in(tiny):
+    """`speculant train dflash --top1-weight w`: the block loss is (1 - w) * the soft loss + w *
+    the cross-entropy against the target's top-1, each block row's averaged over the rows whose
+    top-1 is in the draft vocabulary, under the same row weights; the accuracies do not move."""
+    import torch.nn.functional as F
+
+    from speculant_dflash.train.loop import block_loss, row_weights
+
+    net, cfg = tiny.net, tiny.net.cfg
+    gen = torch.Generator().manual_seed(6)
+    n, T, nb, K = 2, 12, 3, 4
+    taps = torch.randn(n, T, len(cfg.target_layers) * cfg.n_embd, generator=gen)
+    anchors = torch.tensor([[1, 4, 8], [2, 5, 7]])
+    block_tokens = torch.full((n, nb, BLOCK), cfg.mask_token_id, dtype=torch.long)
+    block_tokens[:, :, 0] = torch.randint(0, 256, (n, nb), generator=gen)
+    ids = torch.randint(0, N_DRAFT, (n, nb, BLOCK - 1, K), generator=gen)
+    p = torch.softmax(torch.randn(n, nb, BLOCK - 1, K, generator=gen), -1)
+    top1 = ids[..., 0].clone()
+    top1[0, 1, 2] = top1[1, 0, 0] = -1
+    with torch.no_grad():
+        soft, acc, tau = block_loss(net, taps, anchors, block_tokens, (ids, p, top1))
+        mixed, acc_mixed, tau_mixed = block_loss(net, taps, anchors, block_tokens, (ids, p, top1), top1_weight=0.3)
+        lp = F.log_softmax(net(taps, anchors, block_tokens).float(), -1)
+    assert (acc, tau) == (acc_mixed, tau_mixed)
+    ok = top1 >= 0
+    hard_rows = -lp.gather(-1, top1.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    per_row = torch.stack([hard_rows[..., i][ok[..., i]].mean() for i in range(BLOCK - 1)])
+    w = row_weights(BLOCK)
+    assert torch.allclose(mixed, 0.7 * soft + 0.3 * (per_row * w).sum() / w.sum(), atol=1e-5)
+    assert not torch.allclose(mixed, soft)

@@ -413,3 +413,40 @@ def test_train_command_collects_trains_resumes_and_exports(tiny, tmp_path):
     _, plain = run(tiny.q2, ps, 32)
     engine, got = run(tiny.q2, ps, 32, make(tiny.q2, str(out)))
     assert got == plain and engine.spec_stats["mtp"].accepted > 0
+
+
+def test_top1_weight_mixes_the_hard_cross_entropy_in(tiny):
+    """`speculant train mtp --top1-weight w`: each unrolled step's loss is (1 - w) * the soft loss
+    + w * the cross-entropy against the target's top-1; rows whose top-1 is outside the
+    training vocabulary count in neither the hard term nor the accuracy."""
+    import torch.nn.functional as F
+
+    from speculant_mtp.train.loop import step_losses
+
+    net, steps, B, T, K = tiny.net, 2, 2, 6, 4
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 500, (B, T + steps), generator=gen)
+    hidden = torch.randn(B, T, 64, generator=gen)
+    ids = torch.randint(0, 500, (B, T + steps, K), generator=gen)
+    p = torch.softmax(torch.randn(B, T + steps, K, generator=gen), -1)
+    top1 = ids[..., 0].clone()
+    top1[1, 2] = -1
+    with torch.no_grad():
+        soft, acc = step_losses(net, tokens, hidden, (ids, p, top1), steps)
+        mixed, acc_mixed = step_losses(net, tokens, hidden, (ids, p, top1), steps, top1_weight=0.4)
+        outs = net.unrolled(tokens, hidden, steps)
+    assert acc == acc_mixed
+    for j, logits in enumerate(outs):
+        t1 = top1[:, j : j + T]
+        ok = t1 >= 0
+        hard = -F.log_softmax(logits.float(), -1).gather(-1, t1.clamp_min(0).unsqueeze(-1)).squeeze(-1)[ok].mean()
+        assert torch.allclose(mixed[j], 0.6 * soft[j] + 0.4 * hard, atol=1e-5)
+        assert not torch.allclose(soft[j], hard)
+
+
+def test_train_refuses_a_top1_weight_outside_0_to_1(tiny, tmp_path, capsys):
+    from speculant.cli import main
+
+    assert main(["train", "mtp", "-m", tiny.q2_path, "-o", str(tmp_path / "m.gguf"), "--data", str(tmp_path / "d"),
+                 "--top1-weight", "-0.1"]) == 2
+    assert "--top1-weight" in capsys.readouterr().err

@@ -325,6 +325,25 @@ def target_to_draft(d2t: np.ndarray, n_target_vocab: int) -> torch.Tensor:
     return t2d
 
 
+def top1_cross_entropy(lp: torch.Tensor, top1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hard term of a drafter's loss: per row, the cross-entropy of the log-probabilities
+    `lp` [..., V] against the target's top-1 `top1` [...] (a column of `lp`, or -1 where the
+    drafter's vocabulary lacks it), and the mask of the rows that have one (the others: 0).
+    Greedy drafts are accepted only where the drafter's argmax is the target's top-1, which the
+    soft loss against the target's top-K pursues only indirectly; `--top1-weight` mixes this in."""
+    ok = top1 >= 0
+    ce = -lp.gather(-1, top1.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return ce * ok, ok
+
+
+def add_top1_weight_argument(p) -> None:
+    """The trainers' `--top1-weight W`: loss = (1 - W) * soft + W * hard (see top1_cross_entropy)."""
+    from speculant.options import float_where
+
+    p.add_argument("--top1-weight", type=float_where("a number from 0 to 1", lambda w: 0 <= w <= 1), default=0.0, metavar="W",
+                   help="mix in the cross-entropy against the target's top-1: (1-W) * soft + W * hard (default 0)")
+
+
 def init_from_head(modules: dict, head_path: str) -> np.ndarray:
     """Copy a trained head's tensors (dequantized) into `modules` (GGUF tensor name -> the
     torch module whose ``weight`` it is) and return the head's draft vocabulary (``d2t``):

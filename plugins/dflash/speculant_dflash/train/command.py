@@ -12,7 +12,7 @@ import sys
 import time
 
 from speculant.options import int_in
-from speculant.training import add_recipe_arguments, recipe_options, training_threads
+from speculant.training import add_recipe_arguments, add_top1_weight_argument, recipe_options, training_threads
 
 DEFAULT_BLOCK = 8
 
@@ -50,6 +50,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch", type=int_in(1), default=4, help="windows per step (default 4)")
     p.add_argument("--window", type=int_in(8), default=256, help="context positions per window (default 256)")
     p.add_argument("--blocks", type=int_in(1), default=16, help="blocks anchored in each window (default 16)")
+    add_top1_weight_argument(p)
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     p.add_argument("--draft-vocab", type=int_in(16), default=16384, help="draft vocabulary size (default 16384)")
     p.add_argument("--ffn", type=int_in(16), default=4096, help="the draft layers' FFN width (default 4096)")
@@ -101,12 +102,13 @@ def run(args) -> int:
     net, d2t, acc, tau, done = train(
         cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch, window=args.window,
         blocks=args.blocks, lr=args.lr, save_every=args.save_every, mix=tuple(args.mix), seed=args.seed, always=always, log=log,
-        progress=sys.stderr.isatty(), time_limit=remaining, init=args.init,
+        progress=sys.stderr.isatty(), time_limit=remaining, init=args.init, top1_weight=args.top1_weight,
         bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
     summary = {"tokens": data_rows([args.data, *args.mix]), "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "blocks": args.blocks, "block_size": cfg.block_size, "layers": cfg.n_layers, "ffn": cfg.n_ff,
                "held_out_accuracy": [round(a, 4) for a in acc], "held_out_accepted_length": round(tau, 3),
-               "sources": sources, "recipe": args.recipe, "mix": args.mix, "init": args.init, "draft_vocab": len(d2t)}
+               "sources": sources, "recipe": args.recipe, "mix": args.mix, "init": args.init, "draft_vocab": len(d2t),
+               "top1_weight": args.top1_weight}
     write_head(args.output, cfg, net.gguf_weights(), target_path=args.model, d2t=d2t, qtype=args.qtype,
                extra={"speculant.training": json.dumps(summary)})
     log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per block row "

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculant.training import Shards, draft_vocabulary, init_from_head, split, target_tensor, target_to_draft
+from speculant.training import Shards, draft_vocabulary, init_from_head, split, target_tensor, target_to_draft, top1_cross_entropy
 
 from speculant_dflash.layout import DFlashConfig
 from speculant_dflash.train.net import DFlashNet
@@ -97,14 +97,20 @@ def row_weights(block: int) -> torch.Tensor:
     return torch.exp(-torch.arange(block - 1, dtype=torch.float32) / gamma)
 
 
-def block_loss(net: DFlashNet, hidden, anchors, block_tokens, labels):
-    """(weighted loss, per-row accuracy [Bs-1], mean accepted length of greedy drafts)."""
+def block_loss(net: DFlashNet, hidden, anchors, block_tokens, labels, top1_weight: float = 0.0):
+    """(weighted loss, per-row accuracy [Bs-1], mean accepted length of greedy drafts).
+    `top1_weight` w > 0: (1 - w) * the soft loss + w * the cross-entropy against the target's
+    top-1, each block row's averaged over the rows that have one, with the same row weights."""
     d_ids, d_p, top1 = labels
     logits = net(hidden, anchors, block_tokens)  # [n, nb, Bs-1, Vd]
     lp = F.log_softmax(logits.float(), dim=-1)
     ce = -(lp.gather(-1, d_ids) * d_p).sum(-1)  # [n, nb, Bs-1]
     w = row_weights(block_tokens.shape[-1])
     loss = (ce * w).mean(dim=(0, 1)).sum() / w.sum()
+    if top1_weight > 0:
+        hard, ok = top1_cross_entropy(lp, top1)
+        hard = hard.sum(dim=(0, 1)) / ok.sum(dim=(0, 1)).clamp_min(1)  # [Bs-1]
+        loss = (1 - top1_weight) * loss + top1_weight * (hard * w).sum() / w.sum()
     with torch.no_grad():
         right = (logits.argmax(-1) == top1) & (top1 >= 0)
         acc = right.float().mean(dim=(0, 1))
@@ -144,7 +150,7 @@ def evaluate(net, batches: Batches, docs: list, n: int = 16, seed: int = 0) -> t
 def train(cfg: DFlashConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
           window: int = 256, blocks: int = 16, lr: float = 6e-4, save_every: int = 100, seed: int = 0, mix: tuple = (),
           always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False,
-          init: str | None = None):
+          init: str | None = None, top1_weight: float = 0.0):
     """Train (or resume) and return (net, d2t, held-out per-row accuracy, held-out mean accepted
     length, steps done). Stops early after `time_limit` seconds with a checkpoint, so a later run
     continues. `bf16`: matmuls in bfloat16 under autocast (weights and optimizer stay float32).
@@ -195,7 +201,7 @@ def train(cfg: DFlashConfig, embed: torch.Tensor, target_path: str, data_dir: st
         for group in opt.param_groups:
             group["lr"] = lr * sched(step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, acc, accepted = block_loss(net, *batches.batch(batch))
+            loss, acc, accepted = block_loss(net, *batches.batch(batch), top1_weight=top1_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)

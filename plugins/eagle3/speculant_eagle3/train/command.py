@@ -10,8 +10,8 @@ import json
 import sys
 import time
 
-from speculant.options import float_where, int_in
-from speculant.training import add_recipe_arguments, recipe_options, training_threads
+from speculant.options import int_in
+from speculant.training import add_recipe_arguments, add_top1_weight_argument, recipe_options, training_threads
 
 
 def add_parser(subparsers) -> None:
@@ -30,8 +30,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch", type=int_in(1), default=4, help="windows per step (default 4)")
     p.add_argument("--window", type=int_in(8), default=256, help="rows per window (default 256)")
     p.add_argument("--ttt", type=int_in(1, 8), default=3, help="unrolled training-time-test steps (default 3)")
-    p.add_argument("--top1-weight", type=float_where("a number from 0 to 1", lambda w: 0 <= w <= 1), default=0.0, metavar="W",
-                   help="mix in the cross-entropy against the target's top-1: (1-W) * soft + W * hard (default 0)")
+    add_top1_weight_argument(p)
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
     p.add_argument("--draft-vocab", type=int_in(16), default=16384, help="draft vocabulary size (default 16384)")
     p.add_argument("--ffn", type=int_in(16), default=4096, help="the head's FFN width (default 4096)")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from speculant import training
-from speculant.training import Shards, draft_vocabulary, split, target_to_draft
+from speculant.training import Shards, draft_vocabulary, split, target_to_draft, top1_cross_entropy
 
 from speculant_eagle3.layout import HeadConfig
 from speculant_eagle3.train.net import GGUF_TO_NET, Eagle3Net
@@ -87,8 +87,8 @@ def step_losses(net: Eagle3Net, tokens, taps, labels, steps: int, top1_weight: f
         loss = -(lp.gather(-1, ids) * p).sum(-1).mean()
         ok = t1 >= 0
         if top1_weight > 0:
-            hard = -(lp.gather(-1, t1.clamp_min(0).unsqueeze(-1)).squeeze(-1) * ok).sum() / ok.sum().clamp_min(1)
-            loss = (1 - top1_weight) * loss + top1_weight * hard
+            ce, _ = top1_cross_entropy(lp, t1)
+            loss = (1 - top1_weight) * loss + top1_weight * ce.sum() / ok.sum().clamp_min(1)
         losses.append(loss)
         accs.append(((logits.argmax(-1) == t1) & ok).sum().item() / max(1, ok.sum().item()))
     return losses, accs

@@ -14,7 +14,7 @@ import sys
 import time
 
 from speculant.options import int_in
-from speculant.training import add_recipe_arguments, recipe_options, training_threads
+from speculant.training import add_recipe_arguments, add_top1_weight_argument, recipe_options, training_threads
 
 
 def add_parser(subparsers) -> None:
@@ -33,6 +33,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch", type=int_in(1), default=4, help="windows per step (default 4)")
     p.add_argument("--window", type=int_in(8), default=256, help="rows per window (default 256)")
     p.add_argument("--unroll", type=int_in(1, 8), default=3, help="draft steps unrolled in training (default 3)")
+    add_top1_weight_argument(p)
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
     p.add_argument("--train-vocab", type=int_in(0), default=16384,
                    help="tokens the training softmax runs over, the most frequent first (0: all; default 16384)")
@@ -82,10 +83,10 @@ def run(args) -> int:
                            window=args.window, steps=args.unroll, lr=args.lr, n_train_vocab=args.train_vocab,
                            save_every=args.save_every, mix=tuple(args.mix), seed=args.seed, always=sorted(set(eog_ids(args.model))),
                            bias=not cfg.gated, log=log, progress=sys.stderr.isatty(), time_limit=remaining,
-                           bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
+                           bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16", top1_weight=args.top1_weight)
     summary = {"tokens": data_rows([args.data, *args.mix]), "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "held_out_accuracy": [round(a, 4) for a in acc], "sources": sources, "recipe": args.recipe, "mix": args.mix, "ffn": args.ffn,
-               "unroll": args.unroll, "train_vocab": args.train_vocab}
+               "unroll": args.unroll, "train_vocab": args.train_vocab, "top1_weight": args.top1_weight}
     write_sidecar(args.output, args.model, net.gguf_weights(), qtype=args.qtype, draft_vocab=vocab,
                   extra={"speculant.training": json.dumps(summary)})
     log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per draft step "

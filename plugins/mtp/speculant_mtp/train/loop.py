@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculant.training import Shards, split, target_tensor
+from speculant.training import Shards, split, target_tensor, top1_cross_entropy
 
 from speculant_mtp.layout import MtpConfig
 from speculant_mtp.train.net import MtpNet
@@ -92,9 +92,11 @@ class Batches:
         return d.clamp_min(0), p, self.t2v[ids[..., 0]]
 
 
-def step_losses(net: MtpNet, tokens, hidden, labels, steps: int):
+def step_losses(net: MtpNet, tokens, hidden, labels, steps: int, top1_weight: float = 0.0):
     """Per unrolled step, the loss and the top-1 accuracy; the net's lm_head rows are the
-    labels' columns (the training vocabulary's rows, or all)."""
+    labels' columns (the training vocabulary's rows, or all). `top1_weight` w > 0: (1 - w) *
+    the soft loss + w * the cross-entropy against the target's top-1 (rows whose top-1 is
+    outside the training vocabulary left out of it)."""
     v_ids, v_p, top1 = labels
     outs = net.unrolled(tokens, hidden, steps)
     losses, accs = [], []
@@ -102,8 +104,12 @@ def step_losses(net: MtpNet, tokens, hidden, labels, steps: int):
     for j, logits in enumerate(outs):
         lp = F.log_softmax(logits.float(), dim=-1)
         ids, p, t1 = v_ids[:, j : j + T], v_p[:, j : j + T], top1[:, j : j + T]
-        losses.append(-(lp.gather(-1, ids) * p).sum(-1).mean())
+        loss = -(lp.gather(-1, ids) * p).sum(-1).mean()
         ok = t1 >= 0
+        if top1_weight > 0:
+            ce, _ = top1_cross_entropy(lp, t1)
+            loss = (1 - top1_weight) * loss + top1_weight * ce.sum() / ok.sum().clamp_min(1)
+        losses.append(loss)
         accs.append(((logits.argmax(-1) == t1) & ok).sum().item() / max(1, ok.sum().item()))
     return losses, accs
 
@@ -156,7 +162,7 @@ def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: i
 def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int,
           batch: int = 4, window: int = 256, steps: int = 3, lr: float = 3e-4, n_train_vocab: int = 16384,
           save_every: int = 100, seed: int = 0, mix: tuple = (), always: list[int] = (), bias: bool = True, log=print,
-          progress: bool = True, time_limit: float | None = None, bf16: bool = False):
+          progress: bool = True, time_limit: float | None = None, bf16: bool = False, top1_weight: float = 0.0):
     """Train (or resume) and return (net, training vocabulary or None, held-out accuracies per
     step, steps done). Stops early after `time_limit` seconds with a checkpoint, so a later run
     continues."""
@@ -205,7 +211,7 @@ def train(cfg: MtpConfig, embed: torch.Tensor, lm_head: torch.Tensor, target_pat
             group["lr"] = lr * sched(step)
         tokens, hidden, labels = batches.batch(batch)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            losses, accs = step_losses(net, tokens, hidden, labels, steps)
+            losses, accs = step_losses(net, tokens, hidden, labels, steps, top1_weight)
             loss = sum(STEP_WEIGHT ** j * l for j, l in enumerate(losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()
