@@ -320,3 +320,25 @@ def test_layout_keeps_the_norm_epsilon(tmp_path):
     head_path, net, _ = write_random_head(tmp_path / "head.gguf", target_path)
     assert net.cfg.eps == pytest.approx(1e-5)
     assert load_model(head_path, progress=False).config.eps == pytest.approx(1e-5)
+
+
+def test_windows_drawn_by_rows_follow_the_documents_lengths():
+    """`--sample-by-rows`: a window's document is drawn in proportion to its rows, so one long
+    document among short ones gives about its share of the windows; by default every document
+    is drawn alike. The held-out batches (docs passed in) stay uniform."""
+    from speculant_eagle3.train.loop import Batches
+
+    docs = [(0, 0, 1000)] + [(0, 1000 + 100 * i, 1100 + 100 * i) for i in range(9)]  # 1000 rows, then 9 x 100
+    t2d = torch.arange(10)
+
+    def share_of_long(by_rows):
+        b = Batches(None, docs, t2d, window=64, steps=3, seed=0, by_rows=by_rows)
+        picked = []
+        b.window_of = lambda doc: picked.append(doc) or (torch.zeros(8, dtype=torch.long),) * 4 + (5,)
+        b.labels = lambda ids, p: None
+        for _ in range(400):
+            b.batch(5)
+        return sum(d == docs[0] for d in picked) / len(picked)
+
+    assert 0.45 < share_of_long(True) < 0.58   # 1000 of 1900 rows: 0.53
+    assert 0.06 < share_of_long(False) < 0.15  # 1 of 10 documents

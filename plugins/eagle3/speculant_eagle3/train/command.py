@@ -29,6 +29,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", type=int_in(1), default=2000, help="optimizer steps in all (default 2000)")
     p.add_argument("--batch", type=int_in(1), default=4, help="windows per step (default 4)")
     p.add_argument("--window", type=int_in(8), default=256, help="rows per window (default 256)")
+    p.add_argument("--sample-by-rows", action="store_true",
+                   help="draw each training window's document in proportion to its rows (default: every document "
+                        "alike), so that long documents give their share of long windows")
     p.add_argument("--ttt", type=int_in(1, 8), default=3, help="unrolled training-time-test steps (default 3)")
     add_top1_weight_argument(p)
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
@@ -74,13 +77,13 @@ def run(args) -> int:
     remaining = None if args.time_limit is None else max(1.0, args.time_limit - (time.time() - t_start))
     net, d2t, acc, done = train(cfg, target_embedding(args.model), args.model, args.data, total_steps=args.steps, batch=args.batch,
                           window=args.window, steps=args.ttt, lr=args.lr, save_every=args.save_every, mix=tuple(args.mix), init=args.init, seed=args.seed,
-                          top1_weight=args.top1_weight,
+                          top1_weight=args.top1_weight, by_rows=args.sample_by_rows,
                           always=always, log=log, progress=sys.stderr.isatty(), time_limit=remaining,
                           bf16=bf16_default() if args.precision == "auto" else args.precision == "bf16")
     summary = {"tokens": data_rows([args.data, *args.mix]), "steps": done, "of_steps": args.steps, "batch": args.batch, "window": args.window,
                "held_out_accuracy": [round(a, 4) for a in acc],
                "sources": sources, "recipe": args.recipe, "mix": args.mix, "init": args.init, "draft_vocab": len(d2t), "ffn": args.ffn, "ttt": args.ttt,
-               "top1_weight": args.top1_weight}
+               "top1_weight": args.top1_weight, "sample_by_rows": args.sample_by_rows}
     write_head(args.output, cfg, net.gguf_weights(), target_path=args.model, d2t=d2t, qtype=args.qtype,
                extra={"speculant.training": json.dumps(summary)})
     log(f"wrote {args.output} after {done} of {args.steps} steps: held-out top-1 accuracy per step {summary['held_out_accuracy']}"

@@ -36,12 +36,16 @@ STEP_WEIGHT = 0.8
 
 
 class Batches:
-    """Random windows of `window` rows (each within one document) with their labels."""
+    """Random windows of `window` rows (each within one document) with their labels. Each
+    window's document is drawn uniformly, or with `by_rows` in proportion to its rows, so that
+    a few long documents among many short ones give their share of the long windows."""
 
-    def __init__(self, shards: Shards, docs: list, t2d: torch.Tensor, window: int, steps: int, seed: int):
+    def __init__(self, shards: Shards, docs: list, t2d: torch.Tensor, window: int, steps: int, seed: int, by_rows: bool = False):
         self.shards, self.t2d, self.window, self.steps = shards, t2d, window, steps
         self.docs = [d for d in docs if d[2] - d[1] >= steps + 8]
         self.rng = np.random.default_rng(seed)
+        rows = np.array([b - a for _, a, b in self.docs], dtype=np.float64)
+        self.weights = rows / rows.sum() if by_rows and len(rows) else None
 
     def window_of(self, doc) -> tuple[torch.Tensor, ...]:
         s, a, b = doc
@@ -57,8 +61,11 @@ class Batches:
         return tokens, taps, ids, p, T
 
     def batch(self, n: int, docs=None):
-        docs = docs or self.docs
-        picks = [docs[int(i)] for i in self.rng.integers(0, len(docs), n)]
+        if docs is None and self.weights is not None:
+            picks = [self.docs[int(i)] for i in self.rng.choice(len(self.docs), n, p=self.weights)]
+        else:
+            docs = docs or self.docs
+            picks = [docs[int(i)] for i in self.rng.integers(0, len(docs), n)]
         items = [self.window_of(d) for d in picks]
         T = min(it[4] for it in items)
         tokens = torch.stack([it[0][: T + self.steps] for it in items])
@@ -131,12 +138,13 @@ def evaluate(net, batches: Batches, held: list, steps: int, n: int = 16, seed: i
 def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str, *, total_steps: int, batch: int = 4,
           window: int = 256, steps: int = 3, lr: float = 3e-4, save_every: int = 100, seed: int = 0, mix: tuple = (),
           always: list[int] = (), log=print, progress: bool = True, time_limit: float | None = None, bf16: bool = False,
-          init: str | None = None, top1_weight: float = 0.0):
+          init: str | None = None, top1_weight: float = 0.0, by_rows: bool = False):
     """Train (or resume) and return (net, d2t, held-out accuracies, steps done). Stops early
     after `time_limit` seconds with a checkpoint, so a later run continues. `bf16`: matmuls in
     bfloat16 under autocast (weights and optimizer stay float32), 3-4x faster where the CPU
     has AVX-512 BF16 or AMX. `init`: a trained head to start from (its weights and draft
-    vocabulary) instead of the target's rows, when there is no checkpoint yet."""
+    vocabulary) instead of the target's rows, when there is no checkpoint yet. `by_rows`: draw
+    the training windows' documents in proportion to their rows (see Batches)."""
     from tqdm import tqdm
 
     shards = Shards([data_dir, *mix])  # the checkpoint stays in data_dir
@@ -162,7 +170,7 @@ def train(cfg: HeadConfig, embed: torch.Tensor, target_path: str, data_dir: str,
         start = state["step"]
     warmup = min(100, total_steps // 10 + 1)
     sched = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps)))))
-    batches = Batches(shards, train_docs, t2d, window, steps, seed + start)
+    batches = Batches(shards, train_docs, t2d, window, steps, seed + start, by_rows=by_rows)
     held_batches = Batches(shards, held or train_docs[:8], t2d, window, steps, seed)
 
     def save(step):
