@@ -1,4 +1,5 @@
-"""What a hidden-state drafter did during an engine run, for the MTP, EAGLE3 and DFlash tests.
+"""What a hidden-state drafter did during an engine run, for the MTP, EAGLE3 and DFlash tests (and
+what their trainers' losses should be).
 
 A spy replaces the speculator's `propose_batch` before the engine registers its hooks, keeping the
 hook marker of the method it wraps (the registry finds hook methods by it).
@@ -46,3 +47,19 @@ def windowed_run(spec, run_engine, skip=True):
         module.skip_unread_rows = saved
         spec.head.decode = decode  # the head is loaded once per process
     return seen, sum(rows), out
+
+
+def assert_top1_mixed(outs, top1, soft, mixed, weight: float) -> None:
+    """An unrolled trainer's `--top1-weight`: each step j's mixed loss is (1 - weight) * its soft
+    loss + weight * the cross-entropy of its logits `outs[j]` against the target's top-1 (the
+    window's labels top1[:, j : j + T]), over the rows that have one (top-1 >= 0); and the hard
+    term differs from the soft one, so the check can fail."""
+    import torch
+    import torch.nn.functional as F
+
+    for j, logits in enumerate(outs):
+        t1 = top1[:, j : j + logits.shape[1]]
+        ok = t1 >= 0
+        hard = -F.log_softmax(logits.float(), -1).gather(-1, t1.clamp_min(0).unsqueeze(-1)).squeeze(-1)[ok].mean()
+        assert torch.allclose(mixed[j], (1 - weight) * soft[j] + weight * hard, atol=1e-5)
+        assert not torch.allclose(soft[j], hard)

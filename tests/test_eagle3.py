@@ -21,7 +21,7 @@ from speculant_eagle3 import Eagle3Head
 from speculant_eagle3.layout import write_head
 from speculant_eagle3.testing import write_random_head
 
-from drafter_spies import record_drafts, windowed_run as recorded_run
+from drafter_spies import assert_top1_mixed, record_drafts, windowed_run as recorded_run
 
 N_DRAFT = 300
 
@@ -274,8 +274,6 @@ def test_top1_weight_mixes_the_hard_cross_entropy_in(tiny):
     """`--top1-weight w`: each step's loss is (1 - w) * the soft loss + w * the cross-entropy
     against the target's top-1; rows whose top-1 is outside the draft vocabulary count in
     neither the hard term nor the accuracy."""
-    import torch.nn.functional as F
-
     from speculant_eagle3.testing import head_config_for, target_embedding
     from speculant_eagle3.train.loop import step_losses
     from speculant_eagle3.train.net import Eagle3Net
@@ -296,13 +294,7 @@ def test_top1_weight_mixes_the_hard_cross_entropy_in(tiny):
         mixed, acc_mixed = step_losses(net, tokens, taps, labels, steps, top1_weight=0.25)
         outs = net.unrolled(tokens, taps, steps)
     assert acc == acc_mixed
-    for j, logits in enumerate(outs):
-        lp = F.log_softmax(logits.float(), -1)
-        t1 = top1[:, j : j + T]
-        ok = t1 >= 0
-        hard = -lp.gather(-1, t1.clamp_min(0).unsqueeze(-1)).squeeze(-1)[ok].mean()
-        assert torch.allclose(mixed[j], 0.75 * soft[j] + 0.25 * hard, atol=1e-5)
-        assert not torch.allclose(soft[j], hard)
+    assert_top1_mixed(outs, top1, soft, mixed, 0.25)
 
 
 def test_train_refuses_a_top1_weight_outside_0_to_1(tiny, tmp_path, capsys):

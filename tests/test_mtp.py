@@ -22,7 +22,7 @@ from speculant.testing.tiny_gguf import write_tiny_model
 from speculant_mtp import MtpHead, has_nextn, read_config, split_sidecar
 from speculant_mtp.testing import write_random_sidecar
 
-from drafter_spies import draft_tokens, record_drafts, windowed_run
+from drafter_spies import assert_top1_mixed, draft_tokens, record_drafts, windowed_run
 
 Q35 = dict(n_layers=5, recurrent_layers=[True, False, True, True, False], head_dim=32, n_rot=8,
            rope_sections=[1, 1, 1, 1], n_ctx=2048, seed=22)
@@ -419,8 +419,6 @@ def test_top1_weight_mixes_the_hard_cross_entropy_in(tiny):
     """`speculant train mtp --top1-weight w`: each unrolled step's loss is (1 - w) * the soft loss
     + w * the cross-entropy against the target's top-1; rows whose top-1 is outside the
     training vocabulary count in neither the hard term nor the accuracy."""
-    import torch.nn.functional as F
-
     from speculant_mtp.train.loop import step_losses
 
     net, steps, B, T, K = tiny.net, 2, 2, 6, 4
@@ -436,12 +434,7 @@ def test_top1_weight_mixes_the_hard_cross_entropy_in(tiny):
         mixed, acc_mixed = step_losses(net, tokens, hidden, (ids, p, top1), steps, top1_weight=0.4)
         outs = net.unrolled(tokens, hidden, steps)
     assert acc == acc_mixed
-    for j, logits in enumerate(outs):
-        t1 = top1[:, j : j + T]
-        ok = t1 >= 0
-        hard = -F.log_softmax(logits.float(), -1).gather(-1, t1.clamp_min(0).unsqueeze(-1)).squeeze(-1)[ok].mean()
-        assert torch.allclose(mixed[j], 0.6 * soft[j] + 0.4 * hard, atol=1e-5)
-        assert not torch.allclose(soft[j], hard)
+    assert_top1_mixed(outs, top1, soft, mixed, 0.4)
 
 
 def test_train_refuses_a_top1_weight_outside_0_to_1(tiny, tmp_path, capsys):
