@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
     for (auto& v : a.qs) v = (int8_t)(g() % 255 - 127);
     a.d.resize(4 * nb);
     for (auto& v : a.d) v = 0.001f * (1 + g() % 100);
-    a.bs32.resize(4 * nb * 8), a.bs16.resize(4 * nb * 16);
+    a.bs32.resize(4 * nb * 8);  // dot_q4k reads the 32-value sums only (bs16 is Q6_K's)
     for (size_t i = 0; i < a.bs32.size(); ++i) {
         int s = 0;
         for (int t = 0; t < 32; ++t) s += a.qs[32 * i + t];
