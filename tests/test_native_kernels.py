@@ -135,10 +135,10 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_0])
 def test_32_blocks_tiled_give_the_per_row_kernels_bits(qtype):
-    """Q5_0/Q4_0 calls of 8 rows or more decode each weight row once and take tiles (AVX2
-    builds; spk_set_b32_tiled_min_rows): the same bits as the per-row kernels, for weight rows
-    left over from the tiles of 3, activation rows left over from tiles of 4, and calls of more
-    than ACT_TILE rows."""
+    """Q5_0/Q4_0 calls of 8 rows or more decode each weight row once and take tiles (AVX2 and
+    AVX-512 builds; spk_set_b32_tiled_min_rows): the same bits as the per-row kernels, for weight
+    rows left over from the tiles of 3, activation rows left over from the tiles (on AVX-512 an
+    odd last row), and calls of more than ACT_TILE rows."""
     rng = np.random.default_rng(7)
     n, k = 37, 320
     raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)

@@ -76,10 +76,13 @@ int g_amx_min_rows = 5;
 // 1.2-1.5x with the weights in cache, even in whole forwards (weights from memory), where 6 rows
 // took 1.2x longer tiled (103 against 86 ms a forward) though 1.0-1.1x faster in cache.
 int g_tiled_min_rows = 8;
-// Q5_0 and Q4_0 calls with at least this many rows take dot_b32_tiled on AVX2 (0: never;
-// spk_set_b32_tiled_min_rows). Measured on a Zen 3, the 0.5B's Q5_0 matrices, 2 threads: 8 rows
-// 1.09x the per-row kernels, 16 rows 1.18x, 32 rows 1.30x, 64 rows 1.48x.
-int g_b32_tiled_min_rows = 8;
+// Q5_0 and Q4_0 calls with at least this many rows take dot_b32_tiled (0: never;
+// spk_set_b32_tiled_min_rows). Measured on a Zen 3 (AVX2), the 0.5B's Q5_0 matrices, 2 threads:
+// 8 rows 1.09x the per-row kernels, 16 rows 1.18x, 32 rows 1.30x, 64 rows 1.48x. On a Zen 4
+// (AVX-512), whose per-row kernels decode a block for 8 rows at once as cheaply as they use it,
+// the 0.5B's 0.84x / 0.98x / 1.22x / 1.20x at 8 / 16 / 32 / 64 rows, the EAGLE3 head's 0.84x /
+// 1.02x / 1.11x / 1.23x: from 32 rows there.
+int g_b32_tiled_min_rows = SPK_AVX512 ? 32 : 8;
 
 // A tiled call's rows past its last whole group of 16 (on AVX2, of 9-15 rows those past the
 // first 8), where there are at most this many, take the per-row kernels on each chunk of weight
@@ -136,8 +139,7 @@ int spk_set_tiled_min_rows(int rows) {
     return old;
 }
 
-// As spk_set_tiled_min_rows, for the 32-blocks' tiled kernel on AVX2 (dot_b32_tiled; an AVX-512
-// build has none and ignores it).
+// As spk_set_tiled_min_rows, for the 32-blocks' tiled kernel (dot_b32_tiled, AVX2 and AVX-512).
 int spk_set_b32_tiled_min_rows(int rows) {
     std::lock_guard<std::mutex> lock(g_call_mu);
     const int old = g_b32_tiled_min_rows;
@@ -339,11 +341,12 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             return;
         }
 #endif
-#if SPK_AVX2
+#if SPK_AVX2 || SPK_AVX512
         // Q5_0 and Q4_0 from g_b32_tiled_min_rows rows: each weight row decoded once for all the
-        // item's activation rows, then tiles (avx2_b32.h's dot_b32_tiled; the same bits as below).
-        // Q8_0, whose decode is a load, gains 3-5% at 32-64 rows and loses at 8: it stays below.
-        if ((qtype == T_Q5_0 || qtype == T_Q4_0) && g_b32_tiled_min_rows > 0 && a1 - a0 >= g_b32_tiled_min_rows) {
+        // item's activation rows, then tiles (avx2_b32.h's and vnni_b32.h's dot_b32_tiled; the
+        // same bits as below). Q8_0, whose decode is a load, gains 3-5% at 32-64 rows on AVX2 and
+        // loses at 8: it stays below. (a0 is even here, as the zmm pairs of Act::xp need.)
+        if ((qtype == T_Q5_0 || qtype == T_Q4_0) && g_b32_tiled_min_rows > 0 && a1 - a0 >= g_b32_tiled_min_rows && a0 % 2 == 0) {
             const uint8_t* w0 = W + r0 * row_bytes;
             if (qtype == T_Q5_0) dot_b32_tiled<BlockQ5_0>(w0, row_bytes, (int)(r1 - r0), nb, a, a0, a1, y + r0, n);
             else dot_b32_tiled<BlockQ4_0>(w0, row_bytes, (int)(r1 - r0), nb, a, a0, a1, y + r0, n);

@@ -5,6 +5,9 @@
 #include "kernels.h"
 #include "unpack.h"
 
+#include <algorithm>
+#include <vector>
+
 namespace spk SPK_HIDDEN {
 namespace {  // internal to each file that includes it (see kernels.h)
 
@@ -106,6 +109,101 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
         pf.next();
     }
     for (int t = 0; t < 4; ++t) y[t] = hsum128(_mm_add_ps(_mm256_castps256_ps128(fs[t]), _mm256_extractf128_ps(fs[t], 1)));
+}
+
+// Many activation rows of Q5_0 or Q4_0 (a draft model's prompt, a head's catch-up, such a
+// target's prompt), as avx2_b32.h's dot_b32_tiled: the work item's weight rows decoded to signed
+// bytes once (`q`, `dq`: [nr][nb][32] and [nr][nb]), then tiles of NW weight rows by NP pairs of
+// activation rows, each decoded block's abs and sign mask and each activation pair's load shared by
+// the tile. Per (weight row, activation row) the operations of dot_b32 in its order (a pair's zmm
+// from Act::xp / Act::dp, an odd last row's ymm with vpsignb), so the bits are the same; dot_b32
+// decodes each weight block again for every 8 activation rows, most of its time for these types.
+template <int NW, int NP>
+inline void b32_tile_pairs(const int8_t* q, const float* dq, int nb, const Act& a, int64_t i0, float* y, int64_t ldy) {
+    __m512 f[NW][NP];
+    for (int t = 0; t < NW; ++t)
+        for (int p = 0; p < NP; ++p) f[t][p] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        __m512i x[NP];
+        __m512 dx[NP];
+        for (int p = 0; p < NP; ++p) {
+            const int64_t pb = ((i0 >> 1) + p) * a.nb + b;
+            x[p] = _mm512_loadu_si512(a.xp.data() + pb * 64);
+            dx[p] = _mm512_loadu_ps(a.dp.data() + pb * 16);
+        }
+        for (int t = 0; t < NW; ++t) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(q + ((int64_t)t * nb + b) * 32));
+            const __m256i aw = _mm256_abs_epi8(w);
+            const __m512i aw2 = _mm512_inserti64x4(_mm512_castsi256_si512(aw), aw, 1);
+            const __mmask64 neg = _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(w), w, 1));
+            const __m512 d2 = _mm512_set1_ps(dq[(int64_t)t * nb + b]);
+            for (int p = 0; p < NP; ++p) {
+                const __m512i xs = _mm512_mask_sub_epi8(x[p], neg, _mm512_setzero_si512(), x[p]);
+                const __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw2, xs);
+                f[t][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d2, dx[p]), f[t][p]);
+            }
+        }
+    }
+    auto out = [](__m256 v) { return hsum128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); };
+    for (int t = 0; t < NW; ++t)
+        for (int p = 0; p < NP; ++p) {
+            y[t + (i0 + 2 * p) * ldy] = out(_mm512_castps512_ps256(f[t][p]));
+            y[t + (i0 + 2 * p + 1) * ldy] = out(_mm512_extractf32x8_ps(f[t][p], 1));
+        }
+}
+
+// One activation row (a call's odd last row) against NW decoded weight rows: dot_b32's ymm form.
+template <int NW>
+inline void b32_tile_odd(const int8_t* q, const float* dq, int nb, const Act& a, int64_t i, float* y) {
+    __m256 f[NW];
+    for (int t = 0; t < NW; ++t) f[t] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const int64_t ab = i * a.nb + b;
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(a.qs.data() + ab * 32));
+        const float dx = a.d[ab];
+        for (int t = 0; t < NW; ++t) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(q + ((int64_t)t * nb + b) * 32));
+            const __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+            f[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(dq[(int64_t)t * nb + b] * dx), f[t]);
+        }
+    }
+    for (int t = 0; t < NW; ++t) y[t] = hsum128(_mm_add_ps(_mm256_castps256_ps128(f[t]), _mm256_extractf128_ps(f[t], 1)));
+}
+
+template <int NW>
+inline void b32_tile_rows(int64_t n_rows, const int8_t* q, const float* dq, int nb, const Act& a, int64_t i0, float* y, int64_t ldy) {
+    switch (n_rows >= 8 ? 4 : n_rows / 2) {
+        case 4: b32_tile_pairs<NW, 4>(q, dq, nb, a, i0, y, ldy); break;
+        case 3: b32_tile_pairs<NW, 3>(q, dq, nb, a, i0, y, ldy); break;
+        case 2: b32_tile_pairs<NW, 2>(q, dq, nb, a, i0, y, ldy); break;
+        case 1: b32_tile_pairs<NW, 1>(q, dq, nb, a, i0, y, ldy); break;
+        default: b32_tile_odd<NW>(q, dq, nb, a, i0, y + i0 * ldy); break;
+    }
+}
+
+// Weight rows [0, nr) of `rows` (row_bytes apart) against activation rows [a0, a1), a0 even (the
+// pairs of Act::xp start at even rows): y[i * ldy + r].
+template <class Block>
+void dot_b32_tiled(const uint8_t* rows, size_t row_bytes, int nr, int nb, const Act& a, int64_t a0, int64_t a1, float* y,
+                   int64_t ldy) {
+    thread_local std::vector<int8_t> q;
+    thread_local std::vector<float> dq;
+    q.resize((size_t)nr * nb * 32);
+    dq.resize((size_t)nr * nb);
+    for (int t = 0; t < nr; ++t) {
+        const Block* w = (const Block*)(rows + t * row_bytes);
+        for (int b = 0; b < nb; ++b) {
+            _mm256_storeu_si256((__m256i*)(q.data() + ((int64_t)t * nb + b) * 32), decode32(w[b]));
+            dq[(int64_t)t * nb + b] = f16(w[b].d);
+        }
+    }
+    for (int64_t i0 = a0; i0 < a1;) {
+        const int64_t left = a1 - i0, take = left >= 8 ? 8 : left >= 2 ? left & ~int64_t(1) : 1;
+        int t = 0;
+        for (; t + 3 <= nr; t += 3) b32_tile_rows<3>(take, q.data() + (int64_t)t * nb * 32, dq.data() + (int64_t)t * nb, nb, a, i0, y + t, ldy);
+        for (; t < nr; ++t) b32_tile_rows<1>(take, q.data() + (int64_t)t * nb * 32, dq.data() + (int64_t)t * nb, nb, a, i0, y + t, ldy);
+        i0 += take;
+    }
 }
 
 }  // namespace
