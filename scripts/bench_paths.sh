@@ -36,11 +36,16 @@ SPEC="--spec-type suffix,ngram-simple --spec-draft-n-max 47 --spec-suffix-max-de
 # The same with the shipped MTP head after suffix instead of ngram-simple ("best-mtp", "adaptive-mtp"):
 # where suffix finds nothing to copy the head drafts (until its token's probability falls below
 # 0.5) where ngram-simple's guesses were mostly rejected (docs/benchmarks.md, "Eighteenth run").
-# Run where the head is in heads/ (MTP=0 leaves them out).
+# Run where the heads are in heads/ (MTP=0 leaves them out).
 MTP_HEAD=heads/mtp-qwen2.5-coder-1.5b-instruct.gguf
 SPEC_MTP="--spec-type suffix,mtp -md $MTP_HEAD --spec-draft-n-max 47 --spec-suffix-max-depth 64 --spec-draft-p-min 0.5"
+# And with the shipped EAGLE3 head after suffix ("adaptive-eagle3"): on the Zen 4's AVX-512 path the
+# best of these in two rounds, 1.88x / 1.98x llama.cpp's best (docs/benchmarks.md, "Thirty-second run").
+E3_HEAD=heads/qwen2.5-coder-1.5b-instruct-eagle3.gguf
+SPEC_E3="--spec-type suffix,eagle3 -md $E3_HEAD --spec-draft-n-max 47 --spec-suffix-max-depth 64 --spec-draft-p-min 0.5"
 configs=("plain:" "best:$SPEC --no-spec-adaptive" "adaptive:$SPEC")
 [ "${MTP:-1}" != 0 ] && [ -f $MTP_HEAD ] && configs+=("best-mtp:$SPEC_MTP --no-spec-adaptive" "adaptive-mtp:$SPEC_MTP")
+[ "${MTP:-1}" != 0 ] && [ -f $E3_HEAD ] && configs+=("adaptive-eagle3:$SPEC_E3")
 
 paths=()
 grep -qw amx_tile /proc/cpuinfo && paths+=("amx:")
