@@ -39,8 +39,9 @@ SPEC="--spec-type suffix,ngram-simple --spec-draft-n-max 47 --spec-suffix-max-de
 # Run where the heads are in heads/ (MTP=0 leaves them out).
 MTP_HEAD=heads/mtp-qwen2.5-coder-1.5b-instruct.gguf
 SPEC_MTP="--spec-type suffix,mtp -md $MTP_HEAD --spec-draft-n-max 47 --spec-suffix-max-depth 64 --spec-draft-p-min 0.5"
-# And with the shipped EAGLE3 head after suffix ("adaptive-eagle3"): on the Zen 4's AVX-512 path the
-# best of these in two rounds, 1.88x / 1.98x llama.cpp's best (docs/benchmarks.md, "Thirty-second run").
+# And with the shipped EAGLE3 head after suffix ("adaptive-eagle3"): on a Zen 4's AVX-512 path it and
+# the MTP one ran medians of 1.88x and 1.94x llama.cpp's best over three rounds, the n47 ngram-simple
+# one 1.76x (docs/benchmarks.md, "Thirty-second run").
 E3_HEAD=heads/qwen2.5-coder-1.5b-instruct-eagle3.gguf
 SPEC_E3="--spec-type suffix,eagle3 -md $E3_HEAD --spec-draft-n-max 47 --spec-suffix-max-depth 64 --spec-draft-p-min 0.5"
 configs=("plain:" "best:$SPEC --no-spec-adaptive" "adaptive:$SPEC")
