@@ -9,7 +9,6 @@
 #include "unpack.h"
 
 #include <algorithm>
-#include <vector>
 
 namespace spk SPK_HIDDEN {
 namespace {  // internal to each file that includes it (see kernels.h)
@@ -140,26 +139,15 @@ inline void b32_tile_rows(int nx, const int8_t* q, const float* dq, int nb, cons
     }
 }
 
-// Weight rows [0, nr) of `rows` (row_bytes apart) against activation rows [a0, a1): y[i * ldy + r].
-template <class Block>
-void dot_b32_tiled(const uint8_t* rows, size_t row_bytes, int nr, int nb, const Act& a, int64_t a0, int64_t a1, float* y,
-                   int64_t ldy) {
-    thread_local std::vector<int8_t> q;
-    thread_local std::vector<float> dq;
-    q.resize((size_t)nr * nb * 32);
-    dq.resize((size_t)nr * nb);
-    for (int t = 0; t < nr; ++t) {
-        const Block* w = (const Block*)(rows + t * row_bytes);
-        for (int b = 0; b < nb; ++b) {
-            _mm256_storeu_si256((__m256i*)(q.data() + ((int64_t)t * nb + b) * 32), decode32(w[b]));
-            dq[(int64_t)t * nb + b] = f16(w[b].d);
-        }
-    }
+// Decoded weight rows [0, nr) (`q`, `dq`: linear.cpp's decode_b32_rows) against activation rows
+// [a0, a1): y[i * ldy + r].
+inline void dot_b32_tiled(const int8_t* q, const float* dq, int nr, int nb, const Act& a, int64_t a0, int64_t a1, float* y,
+                          int64_t ldy) {
     for (int64_t i0 = a0; i0 < a1; i0 += 4) {
         const int nx = (int)std::min<int64_t>(4, a1 - i0);
         int t = 0;
-        for (; t + 3 <= nr; t += 3) b32_tile_rows<3>(nx, q.data() + (int64_t)t * nb * 32, dq.data() + (int64_t)t * nb, nb, a, i0, y + i0 * ldy + t, ldy);
-        for (; t < nr; ++t) b32_tile_rows<1>(nx, q.data() + (int64_t)t * nb * 32, dq.data() + (int64_t)t * nb, nb, a, i0, y + i0 * ldy + t, ldy);
+        for (; t + 3 <= nr; t += 3) b32_tile_rows<3>(nx, q + (int64_t)t * nb * 32, dq + (int64_t)t * nb, nb, a, i0, y + i0 * ldy + t, ldy);
+        for (; t < nr; ++t) b32_tile_rows<1>(nx, q + (int64_t)t * nb * 32, dq + (int64_t)t * nb, nb, a, i0, y + i0 * ldy + t, ldy);
     }
 }
 

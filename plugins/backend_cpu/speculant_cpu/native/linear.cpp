@@ -111,6 +111,22 @@ int tiled_min_rows(int qtype, int64_t k) {
 // of 8 rows, 5 tiled groups of 16 (AVX2: or the first 8 rows) and a per-row tail
 int g_last_path = 0;
 
+// A Q5_0 / Q4_0 work item's weight rows [0, nr) (row_bytes apart) decoded once to signed bytes
+// and scales, `q` [nr][nb][32] and `dq` [nr][nb], for dot_b32_tiled (avx2_b32.h, vnni_b32.h) to
+// read for every activation row: what the per-row kernels redo for every 8 rows.
+template <class Block>
+void decode_b32_rows(const uint8_t* rows, size_t row_bytes, int nr, int nb, std::vector<int8_t>& q, std::vector<float>& dq) {
+    q.resize((size_t)nr * nb * 32);
+    dq.resize((size_t)nr * nb);
+    for (int t = 0; t < nr; ++t) {
+        const Block* w = (const Block*)(rows + t * row_bytes);
+        for (int b = 0; b < nb; ++b) {
+            _mm256_storeu_si256((__m256i*)(q.data() + ((int64_t)t * nb + b) * 32), decode32(w[b]));
+            dq[(int64_t)t * nb + b] = f16(w[b].d);
+        }
+    }
+}
+
 }  // namespace
 }  // namespace spk
 
@@ -347,9 +363,12 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         // same bits as below). Q8_0, whose decode is a load, gains 3-5% at 32-64 rows on AVX2 and
         // loses at 8: it stays below. (a0 is even here, as the zmm pairs of Act::xp need.)
         if ((qtype == T_Q5_0 || qtype == T_Q4_0) && g_b32_tiled_min_rows > 0 && a1 - a0 >= g_b32_tiled_min_rows && a0 % 2 == 0) {
-            const uint8_t* w0 = W + r0 * row_bytes;
-            if (qtype == T_Q5_0) dot_b32_tiled<BlockQ5_0>(w0, row_bytes, (int)(r1 - r0), nb, a, a0, a1, y + r0, n);
-            else dot_b32_tiled<BlockQ4_0>(w0, row_bytes, (int)(r1 - r0), nb, a, a0, a1, y + r0, n);
+            thread_local std::vector<int8_t> q;
+            thread_local std::vector<float> dq;
+            const int nr = (int)(r1 - r0);
+            if (qtype == T_Q5_0) decode_b32_rows<BlockQ5_0>(W + r0 * row_bytes, row_bytes, nr, nb, q, dq);
+            else decode_b32_rows<BlockQ4_0>(W + r0 * row_bytes, row_bytes, nr, nb, q, dq);
+            dot_b32_tiled(q.data(), dq.data(), nr, nb, a, a0, a1, y + r0, n);
             return;
         }
 #endif

@@ -5,9 +5,6 @@
 #include "kernels.h"
 #include "unpack.h"
 
-#include <algorithm>
-#include <vector>
-
 namespace spk SPK_HIDDEN {
 namespace {  // internal to each file that includes it (see kernels.h)
 
@@ -113,7 +110,7 @@ void dot_b32_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int 
 
 // Many activation rows of Q5_0 or Q4_0 (a draft model's prompt, a head's catch-up, such a
 // target's prompt), as avx2_b32.h's dot_b32_tiled: the work item's weight rows decoded to signed
-// bytes once (`q`, `dq`: [nr][nb][32] and [nr][nb]), then tiles of NW weight rows by NP pairs of
+// bytes once (`q`, `dq`: [nr][nb][32] and [nr][nb], linear.cpp's decode_b32_rows), then tiles of NW weight rows by NP pairs of
 // activation rows, each decoded block's abs and sign mask and each activation pair's load shared by
 // the tile. Per (weight row, activation row) the operations of dot_b32 in its order (a pair's zmm
 // from Act::xp / Act::dp, an odd last row's ymm with vpsignb), so the bits are the same; dot_b32
@@ -181,27 +178,15 @@ inline void b32_tile_rows(int64_t n_rows, const int8_t* q, const float* dq, int 
     }
 }
 
-// Weight rows [0, nr) of `rows` (row_bytes apart) against activation rows [a0, a1), a0 even (the
-// pairs of Act::xp start at even rows): y[i * ldy + r].
-template <class Block>
-void dot_b32_tiled(const uint8_t* rows, size_t row_bytes, int nr, int nb, const Act& a, int64_t a0, int64_t a1, float* y,
-                   int64_t ldy) {
-    thread_local std::vector<int8_t> q;
-    thread_local std::vector<float> dq;
-    q.resize((size_t)nr * nb * 32);
-    dq.resize((size_t)nr * nb);
-    for (int t = 0; t < nr; ++t) {
-        const Block* w = (const Block*)(rows + t * row_bytes);
-        for (int b = 0; b < nb; ++b) {
-            _mm256_storeu_si256((__m256i*)(q.data() + ((int64_t)t * nb + b) * 32), decode32(w[b]));
-            dq[(int64_t)t * nb + b] = f16(w[b].d);
-        }
-    }
+// Decoded weight rows [0, nr) (`q`, `dq`) against activation rows [a0, a1), a0 even (the pairs
+// of Act::xp start at even rows): y[i * ldy + r].
+inline void dot_b32_tiled(const int8_t* q, const float* dq, int nr, int nb, const Act& a, int64_t a0, int64_t a1, float* y,
+                          int64_t ldy) {
     for (int64_t i0 = a0; i0 < a1;) {
         const int64_t left = a1 - i0, take = left >= 8 ? 8 : left >= 2 ? left & ~int64_t(1) : 1;
         int t = 0;
-        for (; t + 3 <= nr; t += 3) b32_tile_rows<3>(take, q.data() + (int64_t)t * nb * 32, dq.data() + (int64_t)t * nb, nb, a, i0, y + t, ldy);
-        for (; t < nr; ++t) b32_tile_rows<1>(take, q.data() + (int64_t)t * nb * 32, dq.data() + (int64_t)t * nb, nb, a, i0, y + t, ldy);
+        for (; t + 3 <= nr; t += 3) b32_tile_rows<3>(take, q + (int64_t)t * nb * 32, dq + (int64_t)t * nb, nb, a, i0, y + t, ldy);
+        for (; t < nr; ++t) b32_tile_rows<1>(take, q + (int64_t)t * nb * 32, dq + (int64_t)t * nb, nb, a, i0, y + t, ldy);
         i0 += take;
     }
 }
