@@ -8,11 +8,19 @@ forward reads one row of it). What one forward's linear layers cost on the kerne
 (SPECULANT_ISA, SPECULANT_AMX), without the model's Python around them:
 
     .venv/bin/python scripts/bench_linear.py --rows 1 -t 2
+
+Several configurations are compared in one process, their passes alternated, so that a noisy box
+moves them alike: `--isa avx2,avx512` loads each ISA's library side by side, and `--w4-prefetch
+0,4096,16384` sets the four-row decode kernels' prefetch (spk_set_w4_prefetch: 0 the per-row order,
+else the linear order that many bytes ahead; `default` the library's own):
+
+    .venv/bin/python scripts/bench_linear.py --rows 1 --isa avx2,avx512 --w4-prefetch default,16384
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import statistics
 import time
@@ -32,38 +40,63 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1, help="activation rows per call (1: decode)")
     ap.add_argument("-r", "--repeats", type=int, default=7)
+    ap.add_argument("--isa", default="", help="comma list of ISAs to alternate (default: the selected one)")
+    ap.add_argument("--w4-prefetch", default="default", help="comma list of prefetch settings to alternate")
     args = ap.parse_args()
-    lib = native.load()
-    if lib is None:
-        raise SystemExit(f"no native kernels here: {native.why_unavailable()}")
-    lib.spk_set_threads(args.threads)
+    libs = {}
+    for isa in args.isa.split(",") if args.isa else [None]:
+        lib = native.load(isa)
+        if lib is None:
+            raise SystemExit(f"no native kernels for {isa or 'this CPU'}: {native.why_unavailable(isa)}")
+        lib.spk_set_threads(args.threads)
+        libs[native.isa_of(lib)] = lib
+    defaults = {name: lib.spk_set_w4_prefetch(0) for name, lib in libs.items()}
+    for name, lib in libs.items():
+        lib.spk_set_w4_prefetch(defaults[name])
+    settings = args.w4_prefetch.split(",")
+    configs = list(itertools.product(libs, settings))
+
     groups: dict[tuple[str, int, int], list] = {}
+    any_lib = next(iter(libs.values()))
     for t in GGUFReader(args.model).tensors:
         if len(t.shape) != 2 or t.name == "token_embd.weight":
             continue
         k, n = int(t.shape[0]), int(t.shape[1])
-        if lib.spk_supports(int(t.tensor_type), k):
+        if any_lib.spk_supports(int(t.tensor_type), k):
             groups.setdefault((t.tensor_type.name, n, k), []).append(t)
     rng = np.random.default_rng(0)
     f32 = ctypes.POINTER(ctypes.c_float)
-    print(f"{Path(args.model).name}  ISA {native.isa_of(lib)}  AMX {'on' if lib.spk_amx_available() else 'off'}  "
-          f"threads {args.threads}  rows {args.rows}")
-    total = 0.0
-    for (name, n, k), tensors in sorted(groups.items()):
-        x = rng.standard_normal((args.rows, k)).astype(np.float32)
-        y = np.empty((args.rows, n), np.float32)
-        calls = [(int(t.tensor_type), t.data.ctypes.data_as(ctypes.c_void_p)) for t in tensors]
-        samples = []
-        for _ in range(args.repeats + 1):  # the first pass warms up (page faults, thread start)
-            t0 = time.perf_counter()
-            for qtype, w in calls:
-                lib.spk_linear(qtype, w, n, k, x.ctypes.data_as(f32), args.rows, y.ctypes.data_as(f32))
-            samples.append(time.perf_counter() - t0)
-        med = statistics.median(samples[1:])
-        total += med
-        nbytes = sum(t.data.nbytes for t in tensors)
-        print(f"{name:>5} {n:>6} x {k:<5} x{len(tensors):<3} {1000 * med:8.2f} ms  {nbytes / med / 1e9:6.1f} GB/s")
-    print(f"total {1000 * total:.2f} ms")
+    print(f"{Path(args.model).name}  AMX {'on' if any_lib.spk_amx_available() else 'off'}  threads {args.threads}  "
+          f"rows {args.rows}  configurations alternated: {', '.join(f'{i}/{s}' for i, s in configs)}")
+    inputs = {}
+    for key in groups:
+        _, n, k = key
+        inputs[key] = (rng.standard_normal((args.rows, k)).astype(np.float32), np.empty((args.rows, n), np.float32))
+    samples = {(c, key): [] for c in configs for key in groups}
+    for rep in range(args.repeats + 1):  # the first pass warms up (page faults, thread start)
+        for isa, setting in configs:
+            lib = libs[isa]
+            lib.spk_set_w4_prefetch(defaults[isa] if setting == "default" else int(setting))
+            for key, tensors in sorted(groups.items()):
+                _, n, k = key
+                x, y = inputs[key]
+                t0 = time.perf_counter()
+                for t in tensors:
+                    lib.spk_linear(int(t.tensor_type), t.data.ctypes.data_as(ctypes.c_void_p), n, k,
+                                   x.ctypes.data_as(f32), args.rows, y.ctypes.data_as(f32))
+                if rep:
+                    samples[((isa, setting), key)].append(time.perf_counter() - t0)
+            lib.spk_set_w4_prefetch(defaults[isa])
+    for isa, setting in configs:
+        print(f"== {isa}, w4 prefetch {setting}" + (f" ({defaults[isa]})" if setting == "default" else ""))
+        total = 0.0
+        for key, tensors in sorted(groups.items()):
+            name, n, k = key
+            med = statistics.median(samples[((isa, setting), key)])
+            total += med
+            nbytes = sum(t.data.nbytes for t in tensors)
+            print(f"{name:>5} {n:>6} x {k:<5} x{len(tensors):<3} {1000 * med:8.2f} ms  {nbytes / med / 1e9:6.1f} GB/s")
+        print(f"total {1000 * total:.2f} ms")
     return 0
 
 

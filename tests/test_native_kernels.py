@@ -153,6 +153,42 @@ def test_32_blocks_tiled_give_the_per_row_kernels_bits(qtype):
         lib.spk_set_b32_tiled_min_rows(old)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0])
+def test_decode_prefetch_order_and_distance_leave_the_bits(qtype):
+    """The four-row decode kernels' prefetch (spk_set_w4_prefetch: 0 the per-row order, else the
+    four rows' span in address order that many bytes ahead, past the matrix's end too) moves no
+    result: one and two activation rows, weight rows in whole groups of four and a remainder."""
+    rng = np.random.default_rng(11)
+    n, k = 42, 512
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    x = (rng.standard_normal((2, k)) * 3).astype(np.float32)
+    old = lib.spk_set_w4_prefetch(0)
+    try:
+        expected = {m: run(raw, qtype, n, k, x[:m]) for m in (1, 2)}
+        for distance in (64, 4096, 1 << 20):
+            lib.spk_set_w4_prefetch(distance)
+            for m, want in expected.items():
+                assert torch.equal(run(raw, qtype, n, k, x[:m]), want), f"{distance} bytes ahead, {m} rows"
+    finally:
+        lib.spk_set_w4_prefetch(old)
+
+
+def test_decode_prefetch_default_follows_the_cpu(monkeypatch):
+    """The library's default prefetch (what a fresh process gets): the per-row order on AVX-512,
+    on AVX2 8 KiB ahead where the CPU has AVX-512 (a Zen 4 measured) and 4 KiB where it has not (a
+    Zen 3); SPECULANT_W4_PREFETCH overrides it."""
+    isa = native.isa_of(lib)
+    code = ("from speculant_cpu import native; lib = native.load(); "
+            "print(lib.spk_set_w4_prefetch(0))")
+    env = {**os.environ, "SPECULANT_ISA": isa}
+    env.pop("SPECULANT_W4_PREFETCH", None)
+    got = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    avx512_cpu = "avx512f" in native._cpu_flags().split()
+    assert got == (0 if isa == "avx512" else 8192 if avx512_cpu else 4096)
+    env["SPECULANT_W4_PREFETCH"] = "12288"
+    assert int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout) == 12288
+
+
 def _path_threshold(setter):
     """Yield `setter` (a spk_set_*_min_rows), its old value restored afterwards."""
     old = setter(0)

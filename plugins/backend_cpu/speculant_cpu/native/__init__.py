@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))  # every translation unit here is part of the library
 HEADERS = sorted(HERE.glob("*.h"))    # spk.h (the C API) and the internal headers
-ABI_VERSION = 9
+ABI_VERSION = 10
 FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-Wno-maybe-uninitialized"]
 ISAS = ("avx512", "avx2", "avx2-novnni")  # best first
 ISA_IDS = {1: "avx512", 2: "avx2", 3: "avx2-novnni"}  # spk_isa() -> what was built (avx2 on a CPU without AVX-VNNI is 3)

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -128,13 +129,29 @@ void decode_b32_rows(const uint8_t* rows, size_t row_bytes, int nr, int nb, std:
 }
 
 }  // namespace
+
+// W4Prefetch's distance (unpack.h): the linear order this many bytes ahead, or 0 for the per-row
+// order; SPECULANT_W4_PREFETCH sets it. The AVX-512 kernels take the per-row order (measured on
+// Sapphire Rapids and on a Zen 4, where the linear one at 8-24 KiB is within 2% of it). The AVX2
+// kernels take the linear order, whose best distance differs by CPU: on a Zen 3 (AVX2 only) 4 KiB
+// (8 KiB ran the engine 15% slower), on a Zen 4 (AVX-512, the AVX2 build forced) 6-24 KiB, where
+// 4 KiB took the 1.5B's linear layers at one row 46 ms against 37 (scripts/bench_linear.py
+// --w4-prefetch, docs/benchmarks.md, thirty-third run). Of those two, CPUs with AVX-512 take 8 KiB,
+// the others 4 KiB.
+int64_t default_w4_prefetch() {
+    if (const char* env = std::getenv("SPECULANT_W4_PREFETCH"); env && *env) return std::atoll(env);
+    if (!SPK_AVX2) return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? 8192 : 4096;
+}
+int64_t g_w4_prefetch_min = default_w4_prefetch();
 }  // namespace spk
 
 using namespace spk;
 
 extern "C" {
 
-int spk_abi_version() { return 9; }
+int spk_abi_version() { return 10; }
 
 // Calls with at least `rows` rows take the AMX path where it has the call's type and mode (0:
 // never); returns the old value.
@@ -169,6 +186,15 @@ int spk_set_tiled_tail_rows(int rows) {
     std::lock_guard<std::mutex> lock(g_call_mu);
     const int old = g_tiled_tail_rows;
     g_tiled_tail_rows = rows;
+    return old;
+}
+
+// The four-row decode kernels' prefetch (W4Prefetch): the linear order `bytes` ahead, or 0 for the
+// per-row order; returns the old value.
+int64_t spk_set_w4_prefetch(int64_t bytes) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    const int64_t old = g_w4_prefetch_min;
+    g_w4_prefetch_min = bytes;
     return old;
 }
 

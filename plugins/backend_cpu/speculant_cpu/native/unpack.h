@@ -11,6 +11,9 @@
 #include "blocks.h"
 
 namespace spk SPK_HIDDEN {
+// The four-row decode kernels' prefetch distance (W4Prefetch; linear.cpp, spk_set_w4_prefetch).
+extern int64_t g_w4_prefetch_min;
+
 namespace {  // internal to each file that includes it (see kernels.h)
 
 // Software prefetch distance for the weight stream: the hardware prefetcher alone leaves a
@@ -39,52 +42,52 @@ inline void prefetch(const void* block, int bytes) {
 
 // The four-row decode kernels (the _w4 ones) read block b of four consecutive weight rows at a
 // time: four streams row_bytes apart, each moving forward a block per step, over a span of memory
-// (the four rows) that the next four rows continue. Prefetched in that span's address order, one
-// step's share (four blocks' bytes) per b, LINEAR_PREFETCH_MIN bytes or the span's length ahead
-// (whichever is more, so that every row of the span has been fetched before it is read): the
-// hardware sees one forward stream. Before, block b + P of each of the four rows was fetched
-// (P = PREFETCH_BYTES / (4 x block bytes)): where rows are short (k = 1536: 864 bytes a Q4_K row)
-// the four jumped back and forth inside a few kilobytes, and the rows of 1536 values streamed at
-// 5-10 GB/s where rows of 8960 streamed at 11-15. Measured on a Zen 3 (2 cores, AVX2), the 1.5B's
-// matrices at one row, libraries alternated in one process: see docs/benchmarks.md, seventeenth
-// run. Per b: fetch(t) for each of the four rows (a no-op here, kept so that each kernel says what
-// it reads), then next().
-#if SPK_AVX2
-constexpr int64_t LINEAR_PREFETCH_MIN = 4096;
-struct W4Prefetch {
-    const char* cur;  // the next byte to prefetch
-    int64_t step;     // four blocks' bytes
-    W4Prefetch(const uint8_t* row, size_t row_bytes, int, size_t block_bytes)
-        : cur((const char*)row + std::max<int64_t>(4 * (int64_t)row_bytes, LINEAR_PREFETCH_MIN)), step(4 * (int64_t)block_bytes) {}
-    void fetch(int, int) const {}
-    void next() {  // the next b
-        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(cur + o, _MM_HINT_T1);
-        cur += step;
-    }
-};
-#else
-// AVX-512 builds (not yet measured with the linear order): block b + P of each of the four rows,
-// P = PREFETCH_BYTES / (4 x block bytes), or past the rows' end a block of the four rows after
-// them (contiguous).
+// (the four rows) that the next four rows continue. Two orders of prefetch, chosen at run time by
+// g_w4_prefetch_min (spk_set_w4_prefetch):
+// - linear (g_w4_prefetch_min > 0): the span in address order, one step's share (four blocks'
+//   bytes) per b, g_w4_prefetch_min bytes or the span's length ahead (whichever is more, so that
+//   every row of the span has been fetched before it is read): the hardware sees one forward
+//   stream. The per-row order below had made the four prefetch streams jump back and forth inside
+//   a few kilobytes where rows are short (k = 1536: 864 bytes a Q4_K row), and on a Zen 3 (2
+//   cores, AVX2) rows of 1536 values streamed at 5-10 GB/s where rows of 8960 streamed at 11-15
+//   (docs/benchmarks.md, seventeenth run). How far ahead depends on the CPU: 4 KiB was best there,
+//   and on a Zen 4 the AVX2 kernels lose a fifth of their speed at 4 KiB against 8-32 KiB
+//   (thirty-third run); linear.cpp picks the distance by CPU (default_w4_prefetch).
+// - per row (0): block b + P of each of the four rows, P = PREFETCH_BYTES / (4 x block bytes), or
+//   past the rows' end a block of the four rows after them (contiguous); the AVX-512 default.
+// Per b: fetch(t) for each of the four rows, then next().
 struct W4Prefetch {
     const uint8_t* row;
     size_t row_bytes, block_bytes;
-    int nb, rem, groups = 0;  // block b + P is block `rem` of the rows `groups` x 4 rows further
-    W4Prefetch(const uint8_t* row, size_t row_bytes, int nb, size_t block_bytes)
-        : row(row), row_bytes(row_bytes), block_bytes(block_bytes), nb(nb) {
-        const int ahead = std::max(1, (int)(PREFETCH_BYTES / (4 * block_bytes)));
-        groups = ahead / nb;
-        rem = ahead % nb;
+    const char* cur;  // linear: the next byte to prefetch
+    int nb, rem = 0, groups = 0;  // per row: block b + P is block `rem` of the rows `groups` x 4 rows further
+    bool linear;
+    // (always inlined: a call out of line in a kernel's loop spills its vector registers)
+    __attribute__((always_inline)) W4Prefetch(const uint8_t* row, size_t row_bytes, int nb, size_t block_bytes)
+        : row(row), row_bytes(row_bytes), block_bytes(block_bytes), nb(nb), linear(g_w4_prefetch_min > 0) {
+        if (linear) {
+            cur = (const char*)row + std::max<int64_t>(4 * (int64_t)row_bytes, g_w4_prefetch_min);
+        } else {
+            const int ahead = std::max(1, (int)(PREFETCH_BYTES / (4 * block_bytes)));
+            groups = ahead / nb;
+            rem = ahead % nb;
+        }
     }
-    void next() {  // the next b
-        if (++rem == nb) rem = 0, ++groups;
-    }
-    void fetch(int t, int bytes) const {
+    __attribute__((always_inline)) void fetch(int t, int bytes) const {
+        if (linear) return;
         const char* p = (const char*)row + ((int64_t)4 * groups + t) * row_bytes + rem * block_bytes;
         for (int o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
     }
+    __attribute__((always_inline)) void next() {  // the next b
+        if (linear) {
+            const int64_t step = 4 * (int64_t)block_bytes;
+            for (int64_t o = 0; o < step; o += 64) _mm_prefetch(cur + o, _MM_HINT_T1);
+            cur += step;
+        } else if (++rem == nb) {
+            rem = 0, ++groups;
+        }
+    }
 };
-#endif
 
 // The tiled kernels' weight stream: they read block b of 8 or 16 weight rows at a time, rows that
 // are only 864 bytes long in the 1.5B's k = 1536 matrices, so prefetch() a fixed distance ahead
