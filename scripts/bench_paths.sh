@@ -8,7 +8,8 @@
 # adaptive controller off as "best" and on, the default, as "adaptive", and both again with the
 # MTP head after suffix; llama.cpp: ngram-map-k).
 # ROUNDS=N interleaves N rounds (medians on a noisy box); ONLY=workload limits the workloads
-# (default code-edit-bisect).
+# (default code-edit-bisect; ONLY= for all); PATHS="avx2 ..." and CONFIGS="plain adaptive ..." keep
+# only those paths (and their llama.cpp build) and those configurations of ours.
 #
 #   LLAMA_SERVER=.../build/bin/llama-server LLAMA_SERVER_AVX2=.../build-avx2/bin/llama-server scripts/bench_paths.sh
 set -u
@@ -52,6 +53,11 @@ paths=()
 grep -qw amx_tile /proc/cpuinfo && paths+=("amx:")
 [ $has_avx512 = 1 ] && paths+=("avx512:SPECULANT_AMX=0")
 [ -n "$LS2" ] && paths+=("avx2:SPECULANT_ISA=avx2")
+keep() { [ -z "$2" ] || [[ " $2 " == *" $1 "* ]]; }  # is $1 in the list $2 (or is the list empty)?
+kept=(); for p in "${paths[@]}"; do keep "${p%%:*}" "${PATHS:-}" && kept+=("$p"); done; paths=("${kept[@]}")
+kept=(); for c in "${configs[@]}"; do keep "${c%%:*}" "${CONFIGS:-}" && kept+=("$c"); done; configs=("${kept[@]}")
+keep avx512 "${PATHS:-}" || keep amx "${PATHS:-}" || LS=
+keep avx2 "${PATHS:-}" || LS2=
 
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for cfg in "plain:" "ngram-map-k:--spec-type ngram-map-k"; do
