@@ -173,7 +173,7 @@ def test_decode_prefetch_order_and_distance_leave_the_bits(qtype):
         lib.spk_set_w4_prefetch(old)
 
 
-def test_decode_prefetch_default_follows_the_cpu(monkeypatch):
+def test_decode_prefetch_default_follows_the_cpu():
     """The library's default prefetch (what a fresh process gets): the per-row order on AVX-512,
     on AVX2 8 KiB ahead where the CPU has AVX-512 (a Zen 4 measured) and 4 KiB where it has not (a
     Zen 3); SPECULANT_W4_PREFETCH overrides it."""

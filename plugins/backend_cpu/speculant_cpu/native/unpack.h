@@ -51,7 +51,7 @@ inline void prefetch(const void* block, int bytes) {
 //   a few kilobytes where rows are short (k = 1536: 864 bytes a Q4_K row), and on a Zen 3 (2
 //   cores, AVX2) rows of 1536 values streamed at 5-10 GB/s where rows of 8960 streamed at 11-15
 //   (docs/benchmarks.md, seventeenth run). How far ahead depends on the CPU: 4 KiB was best there,
-//   and on a Zen 4 the AVX2 kernels lose a fifth of their speed at 4 KiB against 8-32 KiB
+//   and on a Zen 4 the AVX2 kernels lose a fifth of their speed at 4 KiB against 6-24 KiB
 //   (thirty-third run); linear.cpp picks the distance by CPU (default_w4_prefetch).
 // - per row (0): block b + P of each of the four rows, P = PREFETCH_BYTES / (4 x block bytes), or
 //   past the rows' end a block of the four rows after them (contiguous); the AVX-512 default.
