@@ -134,7 +134,7 @@ def test_kernel_matches_float64_reference_and_is_row_invariant(qtype, n, k):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_0])
-def test_32_blocks_tiled_give_the_per_row_kernels_bits(qtype):
+def test_32_blocks_tiled_give_the_per_row_kernels_bits(qtype, b32_tiled_min_rows):
     """Q5_0/Q4_0 calls of 8 rows or more decode each weight row once and take tiles (AVX2 and
     AVX-512 builds; spk_set_b32_tiled_min_rows): the same bits as the per-row kernels, for weight
     rows left over from the tiles of 3, activation rows left over from the tiles (on AVX-512 an
@@ -143,18 +143,15 @@ def test_32_blocks_tiled_give_the_per_row_kernels_bits(qtype):
     n, k = 37, 320
     raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     x = (rng.standard_normal((130, k)) * 3).astype(np.float32)
-    old = lib.spk_set_b32_tiled_min_rows(0)
-    try:
-        per_row = {m: run(raw, qtype, n, k, x[:m]) for m in (8, 13, 64, 130)}
-        lib.spk_set_b32_tiled_min_rows(8)
-        for m, expected in per_row.items():
-            assert torch.equal(run(raw, qtype, n, k, x[:m]), expected), f"{m} rows"
-    finally:
-        lib.spk_set_b32_tiled_min_rows(old)
+    b32_tiled_min_rows(0)
+    per_row = {m: run(raw, qtype, n, k, x[:m]) for m in (8, 13, 64, 130)}
+    b32_tiled_min_rows(8)
+    for m, expected in per_row.items():
+        assert torch.equal(run(raw, qtype, n, k, x[:m]), expected), f"{m} rows"
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0])
-def test_decode_prefetch_order_and_distance_leave_the_bits(qtype):
+def test_decode_prefetch_order_and_distance_leave_the_bits(qtype, w4_prefetch):
     """The four-row decode kernels' prefetch (spk_set_w4_prefetch: 0 the per-row order, else the
     four rows' span in address order that many bytes ahead, past the matrix's end too) moves no
     result: one and two activation rows, weight rows in whole groups of four and a remainder."""
@@ -162,15 +159,12 @@ def test_decode_prefetch_order_and_distance_leave_the_bits(qtype):
     n, k = 42, 512
     raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     x = (rng.standard_normal((2, k)) * 3).astype(np.float32)
-    old = lib.spk_set_w4_prefetch(0)
-    try:
-        expected = {m: run(raw, qtype, n, k, x[:m]) for m in (1, 2)}
-        for distance in (64, 4096, 1 << 20):
-            lib.spk_set_w4_prefetch(distance)
-            for m, want in expected.items():
-                assert torch.equal(run(raw, qtype, n, k, x[:m]), want), f"{distance} bytes ahead, {m} rows"
-    finally:
-        lib.spk_set_w4_prefetch(old)
+    w4_prefetch(0)
+    expected = {m: run(raw, qtype, n, k, x[:m]) for m in (1, 2)}
+    for distance in (64, 4096, 1 << 20):
+        w4_prefetch(distance)
+        for m, want in expected.items():
+            assert torch.equal(run(raw, qtype, n, k, x[:m]), want), f"{distance} bytes ahead, {m} rows"
 
 
 def test_decode_prefetch_default_follows_the_cpu():
@@ -190,11 +184,23 @@ def test_decode_prefetch_default_follows_the_cpu():
 
 
 def _path_threshold(setter):
-    """Yield `setter` (a spk_set_*_min_rows), its old value restored afterwards."""
+    """Yield `setter` (one of the library's spk_set_* knobs), its old value restored afterwards."""
     old = setter(0)
     setter(old)
     yield setter
     setter(old)
+
+
+@pytest.fixture
+def b32_tiled_min_rows():
+    """Set the row count from which Q5_0/Q4_0 calls take dot_b32_tiled."""
+    yield from _path_threshold(lib.spk_set_b32_tiled_min_rows)
+
+
+@pytest.fixture
+def w4_prefetch():
+    """Set the four-row decode kernels' prefetch (0 per row, else linear that many bytes ahead)."""
+    yield from _path_threshold(lib.spk_set_w4_prefetch)
 
 
 @pytest.fixture
