@@ -343,6 +343,41 @@ def test_a_slow_forward_at_a_row_count_does_not_price_drafts_out_for_good():
     assert c.forward.cost(3) == pytest.approx(0.8 * 0.134 + 0.2 * 0.070)
 
 
+def test_a_slow_sample_at_a_row_count_seldom_verified_is_capped_by_larger_ones():
+    """Forward costs never fall with the rows: a row count sampled during a slow spell (one forward
+    in a few runs twice as long on a shared box) costs at most what a fresh larger one does, so
+    short drafts are not priced out by it (in process on a Zen 4 core: 2 rows at 99.8 ms where 4
+    rows cost 65.3). A larger row count's stale sample caps nothing: costs grow with the context."""
+    from speculant.adaptive import STALE_AFTER
+
+    c = DraftLengthController()
+    c.observe_forward(1, 0.040)
+    c.observe_forward(2, 0.100)  # slow spell
+    c.observe_forward(4, 0.060)
+    assert c.forward.cost(2) == pytest.approx(0.060)
+    assert c.forward.cost(3) == pytest.approx(0.060)
+    assert c.forward.cost(1) == pytest.approx(0.040)
+    for _ in range(STALE_AFTER):  # the 4-row sample goes stale
+        c.observe_forward(1, 0.040)
+        c.observe_forward(2, 0.100)
+    assert c.forward.cost(2) > 0.090  # measured again and again: its own value, the stale 4 rows cap nothing
+    assert c.forward.cost(4) == pytest.approx(0.060)
+
+
+def test_one_slow_forward_moves_the_estimate_a_tenth_at_most():
+    """A sample counts as at most SPIKE times the estimate: one forward twice as slow moves its row
+    count's cost by a tenth, where a plain moving average moved it by a fifth; a lasting rise is
+    still followed."""
+    c = DraftLengthController()
+    for _ in range(5):
+        c.observe_forward(3, 0.050)
+    c.observe_forward(3, 0.100)
+    assert c.forward.cost(3) == pytest.approx(0.055)
+    for _ in range(30):  # the box is slower now
+        c.observe_forward(3, 0.100)
+    assert c.forward.cost(3) == pytest.approx(0.100, rel=0.01)
+
+
 def test_a_long_copy_is_trimmed_to_rows_the_kernels_take_cheaper():
     """A cheap speculator's long drafts (verified whole) are trimmed where fewer rows cost less per
     expected token: a row past a group of 16 costs more than a row inside one (AVX-512 without

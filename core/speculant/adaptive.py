@@ -116,6 +116,13 @@ def length_class(n: int) -> int:
 # loading during the first steps, 3 rows at 134 ms and 5 at 238 (against 70 and 110) kept every
 # draft after the third from being verified, for the whole request.
 STALE_AFTER = 48
+# A forward's sample moves its row count's estimate as if it took at most SPIKE times the estimate:
+# on a shared box one forward in a few runs twice as long, and at a row count seldom verified one
+# such sample priced it out for the rest of a request (in process on a Zen 4 core, AVX-512, EAGLE3
+# on free-quicksort-c: 2 rows at 99.8 ms where 4 rows cost 65.3 and 1 row 57.0, so 3-token drafts
+# were verified where 1-token ones cost less). A real rise (a longer context, a slower box) is
+# still followed, by up to a tenth a sample.
+SPIKE = 1.5
 
 
 def _interpolate(seconds: dict[int, float], rows: int) -> float | None:
@@ -141,8 +148,10 @@ def _interpolate(seconds: dict[int, float], rows: int) -> float | None:
 
 @attrs.define
 class ForwardCost:
-    """EMA of forward seconds by number of rows; unseen row counts interpolate linearly; stale
-    estimates that fresh forwards taking the same rows undercut are dropped (STALE_AFTER)."""
+    """EMA of forward seconds by number of rows, each sample clipped at SPIKE times the estimate;
+    unseen row counts interpolate linearly; stale estimates that fresh forwards taking the same
+    rows undercut are dropped (STALE_AFTER); no row count costs more than a fresh larger one (a
+    forward of more rows does all the work of one of fewer)."""
 
     seconds: dict[int, float] = attrs.field(factory=dict)
     last_seen: dict[int, int] = attrs.field(factory=dict)  # row count -> `observations` when last measured
@@ -154,7 +163,7 @@ class ForwardCost:
         self.observations += 1
         self.last_seen[rows] = self.observations
         old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.seconds[rows] = seconds if old is None else 0.8 * old + 0.2 * min(seconds, SPIKE * old)
 
     def cost(self, rows: int) -> float | None:
         return _interpolate(self._table(), rows)
@@ -169,16 +178,25 @@ class ForwardCost:
         return self._kept
 
     def _current(self) -> dict[int, float]:
-        """The estimates, less the stale ones that fresh forwards covering their rows undercut."""
+        """The estimates, less the stale ones that fresh forwards covering their rows undercut,
+        each at most what the next larger fresh row count costs."""
         fresh = {r: s for r, s in self.seconds.items() if self.observations - self.last_seen[r] < STALE_AFTER}
-        if len(fresh) == len(self.seconds) or not fresh:
-            return dict(self.seconds)
-        # cover[r]: the cheapest fresh forwards that together take r rows or more
-        top = max(self.seconds)
-        cover = [0.0] + [math.inf] * top
-        for r in range(1, top + 1):
-            cover[r] = min(fresh[a] + cover[max(0, r - a)] for a in fresh)
-        return {r: s for r, s in self.seconds.items() if r in fresh or s <= cover[r]}
+        kept = dict(self.seconds)
+        if fresh and len(fresh) < len(self.seconds):
+            # cover[r]: the cheapest fresh forwards that together take r rows or more
+            top = max(self.seconds)
+            cover = [0.0] + [math.inf] * top
+            for r in range(1, top + 1):
+                cover[r] = min(fresh[a] + cover[max(0, r - a)] for a in fresh)
+            kept = {r: s for r, s in kept.items() if r in fresh or s <= cover[r]}
+        # Costs never fall with the rows: a slow sample at a row count that larger fresh ones
+        # undercut is capped at theirs (only fresh ones cap: the cost grows with the context).
+        cap = math.inf
+        for r in sorted(kept, reverse=True):
+            kept[r] = min(kept[r], cap)
+            if r in fresh:
+                cap = kept[r]
+        return kept
 
 
 @attrs.define
