@@ -10,11 +10,14 @@ forward reads one row of it). What one forward's linear layers cost on the kerne
     .venv/bin/python scripts/bench_linear.py --rows 1 -t 2
 
 Several configurations are compared in one process, their passes alternated, so that a noisy box
-moves them alike: `--isa avx2,avx512` loads each ISA's library side by side, and `--w4-prefetch
-0,4096,16384` sets the four-row decode kernels' prefetch (spk_set_w4_prefetch: 0 the per-row order,
-else the linear order that many bytes ahead; `default` the library's own):
+moves them alike: `--isa avx2,avx512` loads each ISA's library side by side, and `--knob
+NAME=V1,V2,...` sets one of the library's spk_set_NAME knobs to each value in turn (`default` the
+library's own): `w4_prefetch` the four-row decode kernels' prefetch (0 the per-row order, else the
+linear order that many bytes ahead), `tiled_min_rows`, `tiled_tail_rows`, `amx_min_rows`,
+`b32_tiled_min_rows` (0: never):
 
-    .venv/bin/python scripts/bench_linear.py --rows 1 --isa avx2,avx512 --w4-prefetch default,16384
+    .venv/bin/python scripts/bench_linear.py --rows 1 --isa avx2,avx512 --knob w4_prefetch=default,16384
+    .venv/bin/python scripts/bench_linear.py --rows 4 --knob tiled_min_rows=default,4
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1, help="activation rows per call (1: decode)")
     ap.add_argument("-r", "--repeats", type=int, default=7)
     ap.add_argument("--isa", default="", help="comma list of ISAs to alternate (default: the selected one)")
-    ap.add_argument("--w4-prefetch", default="default", help="comma list of prefetch settings to alternate")
+    ap.add_argument("--knob", default="w4_prefetch=default", help="NAME=V1,V2,...: spk_set_NAME values to alternate")
+    ap.add_argument("--w4-prefetch", help="comma list of prefetch settings to alternate (--knob w4_prefetch=...)")
     args = ap.parse_args()
     libs = {}
     for isa in args.isa.split(",") if args.isa else [None]:
@@ -50,10 +54,14 @@ def main() -> int:
             raise SystemExit(f"no native kernels for {isa or 'this CPU'}: {native.why_unavailable(isa)}")
         lib.spk_set_threads(args.threads)
         libs[native.isa_of(lib)] = lib
-    defaults = {name: lib.spk_set_w4_prefetch(0) for name, lib in libs.items()}
-    for name, lib in libs.items():
-        lib.spk_set_w4_prefetch(defaults[name])
-    settings = args.w4_prefetch.split(",")
+    knob, _, values = (f"w4_prefetch={args.w4_prefetch}" if args.w4_prefetch else args.knob).partition("=")
+    if not all(hasattr(lib, f"spk_set_{knob}") for lib in libs.values()):
+        ap.error(f"--knob {knob}: the library has no spk_set_{knob}")
+    setters = {name: getattr(lib, f"spk_set_{knob}") for name, lib in libs.items()}
+    defaults = {name: setters[name](0) for name in libs}
+    for name in libs:
+        setters[name](defaults[name])
+    settings = values.split(",")
     configs = list(itertools.product(libs, settings))
 
     groups: dict[tuple[str, int, int], list] = {}
@@ -76,7 +84,7 @@ def main() -> int:
     for rep in range(args.repeats + 1):  # the first pass warms up (page faults, thread start)
         for isa, setting in configs:
             lib = libs[isa]
-            lib.spk_set_w4_prefetch(defaults[isa] if setting == "default" else int(setting))
+            setters[isa](defaults[isa] if setting == "default" else int(setting))
             for key, tensors in sorted(groups.items()):
                 _, n, k = key
                 x, y = inputs[key]
@@ -86,9 +94,9 @@ def main() -> int:
                                    x.ctypes.data_as(f32), args.rows, y.ctypes.data_as(f32))
                 if rep:
                     samples[((isa, setting), key)].append(time.perf_counter() - t0)
-            lib.spk_set_w4_prefetch(defaults[isa])
+            setters[isa](defaults[isa])
     for isa, setting in configs:
-        print(f"== {isa}, w4 prefetch {setting}" + (f" ({defaults[isa]})" if setting == "default" else ""))
+        print(f"== {isa}, {knob} {setting}" + (f" ({defaults[isa]})" if setting == "default" else ""))
         total = 0.0
         for key, tensors in sorted(groups.items()):
             name, n, k = key
