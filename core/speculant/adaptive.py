@@ -191,6 +191,8 @@ class ForwardCost:
             kept = {r: s for r, s in kept.items() if r in fresh or s <= cover[r]}
         # Costs never fall with the rows: a slow sample at a row count that larger fresh ones
         # undercut is capped at theirs (only fresh ones cap: the cost grows with the context).
+        # Where more rows take a cheaper kernel path (AMX from its threshold), the row count
+        # below it is priced at the larger one's cost, a few percent under its own.
         cap = math.inf
         for r in sorted(kept, reverse=True):
             kept[r] = min(kept[r], cap)
