@@ -192,8 +192,7 @@ class ForwardCost:
         # Costs never fall with the rows: a slow sample at a row count that larger fresh ones
         # undercut is capped at theirs (only fresh ones cap: the cost grows with the context).
         # Where more rows take a cheaper kernel path (AMX from its threshold), the row count
-        # below it is priced at the larger one's cost, under its own: a draft may be verified
-        # with one row fewer than would pay best.
+        # below it is priced at the larger one's cost, under its own.
         cap = math.inf
         for r in sorted(kept, reverse=True):
             kept[r] = min(kept[r], cap)
