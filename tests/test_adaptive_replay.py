@@ -403,3 +403,24 @@ def test_a_long_copy_is_trimmed_to_rows_the_kernels_take_cheaper():
         else:
             assert [c.best_length("suffix", n) for n in (48, 23, 31)] == [48, 23, 31]
         assert c.best_length("suffix", CUT_BELOW + 1) >= CUT_BELOW
+
+
+def test_a_long_copy_past_every_measured_row_count_is_verified_to_measure_it():
+    """A cheap speculator's long draft whose rows are more than any forward measured is verified
+    whole, whatever its class's record: the cost there is extrapolated along the slope of the
+    per-row kernels (5 -> 6 rows), which overprices it where tiled kernels take the rows, and a
+    draft declined on that is never verified, so the price is never corrected. Once measured,
+    the class's record decides again."""
+    from speculant.adaptive import CUT_BELOW
+
+    c = DraftLengthController()
+    for rows, seconds in {1: 0.036, 2: 0.040, 3: 0.049, 5: 0.078, 6: 0.089}.items():
+        c.observe_forward(rows, seconds)
+    for _ in range(2):  # the first call is the prompt's catch-up, not counted
+        c.observe_cost("suffix", 1e-4, 10)
+    assert c.cheap("suffix")
+    c.observe_draft("suffix", 10, 0)  # one long copy rejected at its first token
+    n = CUT_BELOW + 1
+    assert c.best_length("suffix", n) == n  # 10 rows never measured: verify and measure
+    c.observe_forward(n + 1, 0.133)  # as slow as extrapolated: the record decides from now on
+    assert c.best_length("suffix", n) == 0
