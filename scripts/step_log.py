@@ -53,6 +53,7 @@ def main() -> int:
         steps.append({"rows": rows, "prompt_rows": len(plan.batch) - rows, "draft": len(draft) if draft else 0,
                       "spec_type": draft.spec_type if draft else "", "proposed": len(proposed) if proposed else 0,
                       "emitted": sum(len(v) for v in emitted.values()),
+                      "tokens": [t for v in emitted.values() for t in v],
                       "seconds": seconds})
         return emitted
 
