@@ -331,6 +331,8 @@ class DraftLengthController:
     catch_up: dict[str, float] = attrs.field(factory=dict)  # spec type -> seconds of its last probe's first call
     seen: set[tuple[str, int]] = attrs.field(factory=set)  # (spec type, sequence) whose first call is behind
     tried_here: set[tuple[str, int]] = attrs.field(factory=set)  # (spec type, sequence) drafted or probed for already
+    declined_last: set[tuple[str, int]] = attrs.field(factory=set)  # (spec type, sequence) whose last plan was 0
+    resuming: set[tuple[str, int]] = attrs.field(factory=set)  # ... and then asked again: its next call catches up
     own_drafts: dict[tuple[str, int], int] = attrs.field(factory=dict)  # (spec type, sequence) -> its drafts judged
     # A recurrent target without per-row states (checkpoint/replay): every verification pays a
     # checkpoint save (and, on a rejection, its restore), and the kept tokens of a partly
@@ -382,16 +384,21 @@ class DraftLengthController:
 
     def observe_cost(self, spec_type: str, seconds: float, n_tokens: int, seq_id: int = 0) -> None:
         """One call of a speculator for one sequence: its seconds and the tokens it produced (0 too).
-        The sequence's first call and a probe's first call catch up on the history (not counted)."""
+        The sequence's first call, a probe's first call and the first call after a decline catch
+        up on the history (not counted)."""
         key = (spec_type, seq_id)
         probe_start = self.probing.get(key) == 2  # a probe's first draft: catching up, not drafting
         if probe_start:
             self.probing[key] = 1
+        resumed = key in self.resuming  # asked again after a decline: catching up first
+        self.resuming.discard(key)
         if key not in self.seen:  # the sequence's first call: the prompt's catch-up
             self.seen.add(key)
             return
         if probe_start:
             self.catch_up[spec_type] = seconds  # what the next probe's interval must pay for
+            return
+        if resumed:
             return
         self.probing.pop(key, None)
         self.costs.setdefault(spec_type, DraftCost()).observe(seconds, n_tokens)
@@ -408,6 +415,8 @@ class DraftLengthController:
         for key in [k for k in self.seq_acceptance if k[1] == seq_id]:
             del self.seq_acceptance[key]
         self.tried_here = {k for k in self.tried_here if k[1] != seq_id}
+        self.declined_last = {k for k in self.declined_last if k[1] != seq_id}
+        self.resuming = {k for k in self.resuming if k[1] != seq_id}
         self.own_drafts = {k: n for k, n in self.own_drafts.items() if k[1] != seq_id}
         self.seen = {k for k in self.seen if k[1] != seq_id}
 
@@ -465,7 +474,19 @@ class DraftLengthController:
 
     def plan(self, spec_type: str, n_max: int, seq_id: int = 0) -> int:
         """How many tokens the speculator may draft for the sequence (0: do not ask it), its own
-        cost counted."""
+        cost counted. A speculator asked again after being declined first catches up on the tokens
+        it sat out (a draft model feeds them): that call's seconds are not its drafting cost
+        (observe_cost), as a probe's first call's are not."""
+        k = self._plan(spec_type, n_max, seq_id)
+        key = (spec_type, seq_id)
+        if k <= 0:
+            self.declined_last.add(key)
+        elif key in self.declined_last:
+            self.declined_last.discard(key)
+            self.resuming.add(key)
+        return k
+
+    def _plan(self, spec_type: str, n_max: int, seq_id: int) -> int:
         if not self.enabled or n_max <= 0:
             return n_max
         if not self.forward.seconds:
