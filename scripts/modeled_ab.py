@@ -22,27 +22,23 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 from pathlib import Path
 
-import speculant.adaptive as adaptive
-from speculant import cli
-from speculant.bench import load_workloads, prompt_tokens
-from speculant.engine import Engine
-from speculant.flags import engine_setup, load
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import draft_calibration  # noqa: E402
+import speculant.adaptive as adaptive  # noqa: E402
+from speculant import cli  # noqa: E402
+from speculant.bench import load_workloads, prompt_tokens  # noqa: E402
+from speculant.engine import Engine  # noqa: E402
+from speculant.flags import engine_setup, load  # noqa: E402
 
 MODEL = Path.home() / ".cache" / "speculant-models" / "qwen2.5-coder-1.5b-instruct.gguf"
 # The 1.5B's verification forwards in the engine on a Zen 4 core's AVX-512 path (no AMX), 1000-1400
 # cached tokens, code-edit-bisect steps (scripts/step_log.py, docs/benchmarks.md thirty-fifth run).
 ZEN4_AVX512_MS = {1: 36, 2: 40, 3: 49, 4: 59, 5: 78, 6: 89, 8: 105, 10: 120, 12: 130, 16: 142, 17: 162,
                   20: 200, 24: 229, 32: 254, 34: 267, 40: 347, 48: 355}
-
-
-def profile(ms: dict[int, float]) -> adaptive.ForwardCost:
-    """The profile as the controller reads costs: measured row counts as given, others interpolated."""
-    costs = adaptive.ForwardCost()
-    for rows, milliseconds in ms.items():
-        costs.observe(rows, milliseconds / 1e3)
-    return costs
 
 
 def main() -> int:
@@ -52,7 +48,7 @@ def main() -> int:
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--costs", help="JSON {rows: ms} of verification forwards (default: the Zen 4's AVX-512 path)")
     a = ap.parse_args()
-    costs = profile({int(k): float(v) for k, v in json.loads(a.costs).items()} if a.costs else ZEN4_AVX512_MS)
+    costs = draft_calibration.row_costs({int(k): float(v) for k, v in json.loads(a.costs).items()} if a.costs else ZEN4_AVX512_MS)
     charged = {"forward": 0.0, "draft": 0.0, "steps": 0}
     c = adaptive.DraftLengthController
     observe_forward, observe_cost = c.observe_forward, c.observe_cost
