@@ -10,7 +10,7 @@ for a whole-file edit), other modules:
 `--free` gives the other kind instead: answers written from scratch (a program from a one-line
 ask, a table from local package metadata), where drafters on hidden states, not copying, are
 what speeds decoding up; for checking a head, never trained on (speculant.distill's requests
-are built otherwise).
+are built otherwise). `--many` adds ten more edits of other modules to the default two.
 """
 from __future__ import annotations
 
@@ -23,6 +23,20 @@ SYSTEM = "You are an expert programmer. Respond only with code. Do not add any o
 TASKS = [
     ("dev-edit-colorsys", "colorsys", "Add Python type hints to every function in this module. Output the complete modified file."),
     ("dev-edit-fnmatch", "fnmatch", "Rename the parameter `pat` to `pattern` everywhere in this module. Output the complete modified file."),
+]
+# More of the same kind (`--many`): for statistics over many edits (how far a copy runs before the
+# answer departs from it), where two workloads give a handful of events.
+MORE_TASKS = [
+    ("dev-edit-genericpath", "genericpath", "Add Python type hints to every function in this module. Output the complete modified file."),
+    ("dev-edit-linecache", "linecache", "Rename the function `getline` to `get_line` everywhere in this module. Output the complete modified file."),
+    ("dev-edit-sched", "sched", "Add a docstring to every method that lacks one. Output the complete modified file."),
+    ("dev-edit-stat", "stat", "Add Python type hints to every function in this module. Output the complete modified file."),
+    ("dev-edit-reprlib", "reprlib", "Rename the class `Repr` to `Representer` everywhere in this module. Output the complete modified file."),
+    ("dev-edit-graphlib", "graphlib", "Add Python type hints to every method in this module. Output the complete modified file."),
+    ("dev-edit-copyreg", "copyreg", "Add a short docstring to every function that lacks one. Output the complete modified file."),
+    ("dev-edit-glob", "glob", "Rename the parameter `pathname` to `pattern_path` everywhere in this module. Output the complete modified file."),
+    ("dev-edit-getopt", "getopt", "Replace every %-formatting with an f-string in this module. Output the complete modified file."),
+    ("dev-edit-shelve", "shelve", "Add Python type hints to every method in this module. Output the complete modified file."),
 ]
 
 
@@ -52,9 +66,9 @@ def free_workloads(max_tokens: int = 256) -> list[dict]:
     return out
 
 
-def workloads(max_tokens: int = 384) -> list[dict]:
+def workloads(max_tokens: int = 384, many: bool = False) -> list[dict]:
     out = []
-    for name, module, ask in TASKS:
+    for name, module, ask in TASKS + (MORE_TASKS if many else []):
         source = Path(importlib.import_module(module).__file__).read_text()
         out.append({"name": name, "kind": "grounded", "max_tokens": max_tokens,
                     "messages": [{"role": "system", "content": SYSTEM},
@@ -63,6 +77,9 @@ def workloads(max_tokens: int = 384) -> list[dict]:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--free"]
-    make = free_workloads if "--free" in sys.argv[1:] else workloads
-    json.dump(make(int(args[0])) if args else make(), sys.stdout, indent=1)
+    args = [a for a in sys.argv[1:] if a not in ("--free", "--many")]
+    if "--free" in sys.argv[1:]:
+        made = free_workloads(*map(int, args))
+    else:
+        made = workloads(*map(int, args), many="--many" in sys.argv[1:])
+    json.dump(made, sys.stdout, indent=1)
