@@ -23,12 +23,10 @@ guess after a short one: with one estimate for both, the guesses' rejections cut
 verified 6 at a time) or the copies' acceptance pays for verifying every guess (a one-token
 guess right 15% of the time costs 27% more than a plain step on a Zen 4 core). So a cheap
 speculator's draft is judged by the drafts of its length class (1, 2-3, 4-7, 8-15, 16+ tokens as
-proposed). Under CUT_BELOW tokens: verified whole, by the share of such drafts accepted, or cut
-to the k its class's acceptance by position gives (a draft sure of its first tokens only),
-whichever is expected faster, or not at all. From CUT_BELOW tokens on (a copy): verified whole or
-trimmed where fewer rows cost less per expected token (TRIM_MARGIN), its first token right as
-often as its class's were and each later one parting from the text with its class's chance of a
-break per token (BREAK_PRIOR: a copy runs until the answer's next edit), or not at all. A draft's
+proposed): verified whole, by the share of such drafts accepted (a copy's tokens stand or fall
+together; from CUT_BELOW tokens on, trimmed where fewer rows cost less per token, see
+TRIM_MARGIN), or, under CUT_BELOW tokens, cut to the k its class's acceptance by position gives
+(a draft sure of its first tokens only), whichever is expected faster, or not at all. A draft's
 tokens left unverified (all of it when it was dropped, the rest when it was cut and what was
 verified was accepted) still teach its class: the engine compares them with the tokens the
 sequence then emits (`observe_shadow`), so a class wins back as soon as its drafts turn right
@@ -70,12 +68,11 @@ CHEAP_CALL = 0.02  # a call costing less than this share of a plain step is alwa
 # step's rate: near even, verifying is worth more than the step shows (a short draft accepted at
 # the start of a copy lets the next one be long; on a code edit a margin of 0.1 made 13 drops of 26).
 DROP_MARGIN = 0.05
-# A cheap speculator's drafts of this many tokens or more are verified whole, trimmed to no fewer
-# than this many (TRIM_MARGIN, BREAK_PRIOR) or not verified at all, never cut to a few: they come
-# from long matches, copies that run until the answer's next edit, and the acceptance by position
-# pooled over all drafts (independent tokens) cut them to a few tokens a step (served on a Zen 4
-# core, one run in three drafted 1.8 tokens a step, 0.71x the controller off). Shorter drafts may
-# be cut (a suffix tree's short matches on extract-table: sure of the first tokens only).
+# A cheap speculator's drafts of this many tokens or more are verified whole or not at all, never
+# cut: they come from long matches, whose tokens stand or fall together, and the acceptance by
+# position (independent tokens) cut them to a few tokens a step (served on a Zen 4 core, one run
+# in three drafted 1.8 tokens a step, 0.71x the controller off). Shorter drafts may be cut (a
+# suffix tree's short matches on extract-table: sure of the first tokens only).
 CUT_BELOW = 8
 # A long draft is trimmed to fewer tokens where its verification then costs this share less per
 # expected token, or more: the kernels take rows in groups (16 on AVX-512), and a row past a
@@ -84,18 +81,6 @@ CUT_BELOW = 8
 # tree's copy of 48 tokens verified as 47 then costs 7.1 instead of 7.5 ms a token (the 48th
 # comes with the next step's draft). The margin keeps noise in the costs from flipping the choice.
 TRIM_MARGIN = 0.02
-# A long copy's tokens past its first are taken to part from the text with one chance per token
-# (the class's breaks over its tokens tried past the first), so its first tokens are surer than its
-# last and a trim can pay beyond the kernels' groups: on a code edit a copy runs until the next
-# edit, wherever that is. Suffix drafts of 8+ tokens on twelve development edits, verified whole
-# (scripts/step_log.py, controller off, 139 drafts): none wrong at its first token, 27 breaks in
-# 3842 later tokens (0.007 a token), spread over the positions, 10 of them in one module's edit
-# (type hints on genericpath: about 0.03 a token, where verifying 15 of 47 emits more a second on
-# either path of a Zen 4). The prior (breaks, tokens): one break in 32 tokens, worth a quarter of
-# one, so a class's first copies, not yet measured, are trimmed to the kernels' groups, and its own
-# record soon decides (worth a whole break, 32 tokens, it outweighed the breaks of drafts that are
-# seldom right past their first token: 16-token guesses right 15% a token were verified at a loss).
-BREAK_PRIOR = (0.25, 8.0)
 # A new sequence starts from its spec type's acceptance over the sequences before it, worth this
 # many drafts at the first position: one request's text says little about the next one's (a code
 # edit copies, a new function does not), and carried at full weight (~50 drafts) a draft model
@@ -295,36 +280,19 @@ class Calibration:
 
 @attrs.define
 class ClassAcceptance:
-    """Decayed counts of one length class's drafts (of a cheap speculator): the sum of the share of
-    each that was accepted (or, unverified, matched what the sequence emitted), how many had their
-    first token right, and past the first token, the tokens tried and the breaks among them (the
-    token where a draft whose first token was right parted from the text)."""
+    """Decayed count of one length class's drafts (of a cheap speculator) and sum of the share of
+    each that was accepted (or, unverified, matched what the sequence emitted)."""
 
     drafts: float = 0.0
     shares: float = 0.0
-    first_right: float = 0.0
-    later_tried: float = 0.0
-    later_breaks: float = 0.0
 
     def observe(self, n_tokens: int, n_accepted: int) -> None:
         self.drafts = DECAY * self.drafts + 1
         self.shares = DECAY * self.shares + n_accepted / n_tokens
-        self.first_right = DECAY * self.first_right + (n_accepted > 0)
-        self.later_tried = DECAY * self.later_tried + max(0, min(n_accepted + 1, n_tokens) - 1)
-        self.later_breaks = DECAY * self.later_breaks + (0 < n_accepted < n_tokens)
 
     def share(self) -> float:
         """The share of a draft of this class expected accepted (the prior: half)."""
         return (self.shares + PRIOR_ACCEPT * PRIOR_WEIGHT) / (self.drafts + PRIOR_WEIGHT)
-
-    def expected(self, k: int) -> float:
-        """Tokens a step emits verifying the first k tokens of a long draft of this class (the
-        bonus row's token counted): its first token is right with the class's chance, and each
-        later one with the same chance of a break (BREAK_PRIOR), so that a copy's first tokens are
-        surer than its last. 1 + p1 (1 - (1 - h)^k) / h."""
-        p1 = (self.first_right + PRIOR_ACCEPT * PRIOR_WEIGHT) / (self.drafts + PRIOR_WEIGHT)
-        h = (self.later_breaks + BREAK_PRIOR[0]) / (self.later_tried + BREAK_PRIOR[1])
-        return 1.0 + p1 * (1.0 - (1.0 - h) ** k) / h
 
 
 @attrs.define
@@ -597,15 +565,14 @@ class DraftLengthController:
             # that were never verified, and so never measured, until one was 16 tokens long.
             return n
         key = (spec_type, length_class(n))
-        cls = self.by_length.get(key, ClassAcceptance())
-        if n < CUT_BELOW:
-            best_k, best_rate = n, (1 + cls.share() * n) / tn  # whole
-            # cut (k = 0: plain beats every cut)
+        share = self.by_length.get(key, ClassAcceptance()).share()
+        best_k, best_rate = n, (1 + share * n) / tn  # whole
+        if n < CUT_BELOW:  # cut (k = 0: plain beats every cut)
             cut = self._best(spec_type, n, 0.0, acc=self.by_length_position.get(key, Acceptance()))
             if cut is not None and cut[0] and cut[1] > best_rate:
                 best_k, best_rate = cut
         else:
-            best_k, best_rate = self._trim(n, cls, cls.expected(n) / tn)
+            best_k, best_rate = self._trim(n, share, best_rate)
         return best_k if best_rate > (1 - DROP_MARGIN) / t1 else 0
 
     def _by_confidence(self, spec_type: str, n: int, confidence: tuple[float, ...]) -> int:
@@ -625,17 +592,17 @@ class DraftLengthController:
                 best_k, best_rate = k, rate
         return best_k
 
-    def _trim(self, n: int, cls: ClassAcceptance, whole_rate: float) -> tuple[int, float]:
-        """A long draft of n tokens (cls: its class's record) trimmed to the k >= CUT_BELOW whose
-        verification costs least per expected token, where that beats verifying it whole by
-        TRIM_MARGIN; else (n, whole_rate). The candidates are the measured row counts: the kernels
-        take rows in groups, so a count between two measured ones, priced on the line through
-        them, may cost more than it is priced at; a measured one's price is known."""
+    def _trim(self, n: int, share: float, whole_rate: float) -> tuple[int, float]:
+        """A long draft of n tokens (share: its class's acceptance) trimmed to the k >= CUT_BELOW
+        whose verification costs least per expected token, where that beats verifying it whole by
+        TRIM_MARGIN; else (n, whole_rate). Only measured row counts can be cheaper per row than
+        their neighbours (between two, the cost is interpolated linearly, and the rate is monotonic
+        along a line), so they are the candidates."""
         best_k, best_rate = n, whole_rate
         for rows in self.forward.measured():
             k = rows - 1
             if CUT_BELOW <= k < n:
-                rate = cls.expected(k) / self.forward.cost(rows)
+                rate = (1 + share * k) / self.forward.cost(rows)
                 if rate > best_rate and rate > whole_rate * (1 + TRIM_MARGIN):
                     best_k, best_rate = k, rate
         return best_k, best_rate
