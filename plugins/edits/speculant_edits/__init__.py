@@ -1,0 +1,75 @@
+"""copy-edits: the answer's own edits of the prompt, made again on the text it is about to copy.
+
+An assistant asked to change a file writes the file again: copying speculators (suffix,
+ngram-*) draft the copy, and every change the answer makes rejects a draft where the copy goes on
+unchanged. Many changes repeat (a parameter renamed at every use, the same type hints on every
+signature with the same parameters), and after the first the text around them says where the
+next one comes. This speculator follows where the answer copies from (speculant_edits.alignment),
+records each change, and where a recorded change applies within the next n_max tokens of the
+copy, drafts the copy with it made. Elsewhere it drafts nothing, so put it first in a chain of
+copying speculators: `--spec-type copy-edits,suffix`; with `--spec-copy-edits-copies` it drafts
+the plain copy there too (alone, a copying speculator of its own).
+"""
+from __future__ import annotations
+
+from speculant import Draft, DraftLimits, SequenceView, SpeculantError, hookimpl, int_in
+from speculant.speculator import SpeculatorConfig
+
+from speculant_edits.alignment import RESYNC, Alignment, Edit, EditBook
+
+__all__ = ["Alignment", "CopyEdits", "Edit", "EditBook"]
+
+
+class CopyEdits:
+    spec_type = "copy-edits"
+    n_max = 64
+    # The contract's texts repeat segments but a tiny model makes no edits: it checks the copies.
+    # (and its sampled texts seldom repeat four tokens).
+    contract_options = {"spec_copy_edits_copies": True, "spec_copy_edits_resync": 2}
+
+    def __init__(self, config: SpeculatorConfig):
+        self.alignments: dict[int, Alignment] = {}
+        self.copies = bool(config.option("spec_copy_edits_copies", False))
+        self.resync = config.option("spec_copy_edits_resync", RESYNC)
+        if isinstance(self.resync, bool) or not isinstance(self.resync, int) or not 1 <= self.resync <= 64:
+            raise SpeculantError(f"--spec-copy-edits-resync must be an integer in [1, 64], got {self.resync!r}")
+
+    def _alignment(self, seq: SequenceView) -> Alignment:
+        a = self.alignments.get(seq.seq_id)
+        if a is None or len(a.prompt) != seq.n_prompt or a.o_done > len(seq.tokens) - seq.n_prompt:
+            a = self.alignments[seq.seq_id] = Alignment(tuple(seq.tokens[: seq.n_prompt]), self.resync)
+        return a
+
+    @hookimpl
+    def begin(self, seq: SequenceView) -> None:
+        self.alignments.pop(seq.seq_id, None)
+
+    @hookimpl
+    def truncate(self, seq: SequenceView, n: int) -> None:
+        self.alignments.pop(seq.seq_id, None)  # rebuilt from the tokens at the next proposal
+
+    @hookimpl
+    def end(self, seq_id: int) -> None:
+        self.alignments.pop(seq_id, None)
+
+    @hookimpl
+    def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
+        if limits.n_max <= 0:
+            return None
+        a = self._alignment(seq)
+        a.take(seq.tokens[seq.n_prompt :])
+        tokens = a.draft(limits.n_max, copies=self.copies)
+        return Draft(tokens, self.spec_type) if tokens else None
+
+
+@hookimpl
+def speculant_register_speculators(register):
+    register(CopyEdits.spec_type, CopyEdits)
+
+
+@hookimpl
+def speculant_add_options(parser):
+    parser.add_argument("--spec-copy-edits-copies", action="store_true", default=None,
+                        help="copy-edits: draft the copy where no recorded edit applies too (default: only where one does)")
+    parser.add_argument("--spec-copy-edits-resync", type=int_in(1, 64), default=None, metavar="N",
+                        help=f"copy-edits: tokens the answer must copy in a row to be copying again after a change (default {RESYNC})")
