@@ -23,8 +23,8 @@ __all__ = ["Alignment", "CopyEdits", "Edit", "EditBook"]
 class CopyEdits:
     spec_type = "copy-edits"
     n_max = 64
-    # The contract's texts repeat segments but a tiny model makes no edits: it checks the copies.
-    # (and its sampled texts seldom repeat four tokens).
+    # The contract's tiny model makes no edits, so the suite checks the copies; its sampled texts
+    # seldom repeat four tokens in a row, so two make a copy there.
     contract_options = {"spec_copy_edits_copies": True, "spec_copy_edits_resync": 2}
 
     def __init__(self, config: SpeculatorConfig):
