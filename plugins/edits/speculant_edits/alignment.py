@@ -1,8 +1,8 @@
-"""The answer aligned with the prompt it copies, and the edits it made on the way.
+"""The answer aligned with the text it copies, and the edits it made on the way.
 
 A code edit's answer is the prompt's file again, changed in places: while it copies, each output
 token is the prompt token after the last one copied; where it changes something it writes other
-tokens, then copies again from some later point. `Alignment` follows that, one output token at a
+tokens, then copies again from some later point (of the prompt, or of its own earlier text). `Alignment` follows that, one output token at a
 time, and records each change as an `Edit`: the prompt tokens it replaced (`src`, empty for an
 insertion), what the answer wrote instead (`dst`), and the prompt tokens around it. An answer
 makes the same change again where the same text comes again (a parameter renamed at every use,
@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import attrs
 
-# Output tokens that must equal prompt tokens in a row for the answer to count as copying again
+# Output tokens that must equal earlier tokens in a row for the answer to count as copying again
 # after a change (fewer: the `, x` between two hints of one signature would end the first one).
 RESYNC = 4
-# Longest change recorded, in prompt tokens replaced and in tokens written: a longer stretch of
+# Longest change recorded, in tokens replaced and in tokens written: a longer stretch of
 # new text is the answer writing something else, not editing what it copies.
 MAX_SRC, MAX_DST = 64, 128
-BEFORE = 2  # prompt tokens before a change that must be the same for it to apply again
+BEFORE = 2  # tokens ahead of a change that must be the same for it to apply again
 
 
 @attrs.frozen
 class Edit:
-    before: tuple[int, ...]  # the BEFORE prompt tokens ahead of the change
-    src: tuple[int, ...]  # prompt tokens replaced
-    after: int  # the prompt token the copy resumed at
+    before: tuple[int, ...]  # the BEFORE tokens ahead of the change
+    src: tuple[int, ...]  # tokens of the copied text replaced
+    after: int  # the token the copy resumed at
     dst: tuple[int, ...]  # what the answer wrote instead
 
 
