@@ -11,7 +11,7 @@ from speculant.speculator import build_speculators
 pytestmark = pytest.mark.realmodel
 
 N_TOKENS = 48
-SPEC_TYPES = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-simple,ngram-mod"]
+SPEC_TYPES = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-simple,ngram-mod", "copy-edits,ngram-simple"]
 WORKLOADS = [r["name"] for r in json.loads((REFERENCE_DIR / "qwen2.5-coder-1.5b.public.json").read_text())["references"]]
 
 
@@ -74,10 +74,13 @@ def test_spec_type_reproduces_plain_decoding(spec_type, workload):
     # Small n-gram sizes so drafts happen within 48 tokens; the adaptive controller off so every
     # draft is verified in full (the hardest case for exactness).
     options = {"spec_ngram_simple_size_n": 3, "spec_ngram_map_k_size_n": 3, "spec_ngram_map_k4v_size_n": 3,
-               "spec_ngram_mod_n_match": 4, "spec_ngram_mod_n_min": 1}
+               "spec_ngram_mod_n_match": 4, "spec_ngram_mod_n_min": 1,
+               "spec_copy_edits_copies": True}  # copy-edits drafts the copies too: few edits repeat in 48 tokens
     speculators = build_speculators(spec_type.split(","), options, target=model)
     engine = Engine(model, EngineConfig(n_ctx=2048, draft_n_max=16, adaptive=False), speculators)
     seq = generate_from_prompt_rows(engine, model, workload)
     assert seq.tokens[seq.n_prompt:] == plain_tokens(model, workload)
     if workload == "code-edit-bisect":  # the output copies the input: drafts must have been accepted
         assert seq.stats.n_accepted > 0
+        first = spec_type.split(",")[0]
+        assert engine.spec_stats[first].drafts > 0, f"{first} drafted nothing"
