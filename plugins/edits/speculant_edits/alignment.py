@@ -108,7 +108,6 @@ class Alignment:
     text: list[int] = attrs.field(factory=list)  # the prompt, then each output token taken
     p: int = 0
     copying: bool = False
-    o_done: int = 0  # output tokens taken in
     o_left: int = 0
     p_left: int | None = None
     _index: dict[tuple[int, ...], list[int]] = attrs.field(factory=dict, repr=False)  # resync-grams -> starts, ascending
@@ -117,6 +116,11 @@ class Alignment:
     def __attrs_post_init__(self) -> None:
         self.text = list(self.prompt)
         self._index_to(len(self.text) - self.resync + 1)
+
+    @property
+    def o_done(self) -> int:
+        """Output tokens taken in."""
+        return len(self.text) - len(self.prompt)
 
     def _index_to(self, end: int) -> None:
         for j in range(self._indexed, end):
@@ -141,7 +145,6 @@ class Alignment:
 
     def _append(self, t: int) -> None:
         self.text.append(t)
-        self.o_done += 1
         # every gram but the last one, which a resync looks up (found there, it would be itself)
         self._index_to(len(self.text) - self.resync)
 
