@@ -15,7 +15,9 @@ every configuration wrote the same tokens.
 Tune on the development workloads (scripts/dev_workloads.py), never on the public ones. The
 profile is a decode-time stand-in (rows past 1000-1400 cached tokens): prompts are not priced,
 and the attention's growth with the context is not modeled. Scripts/modeled_bench.py prices runs
-the same way but lets the controller see the measured seconds.
+the same way but lets the controller see the measured seconds. Each workload runs on a fresh
+engine unless `--one-engine`: then one engine takes them in order, as a server with one slot
+does, so what the controller learned on one request (a copy's length classes) weighs on the next.
 """
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ def main() -> int:
     ap.add_argument("-m", "--model", default=str(MODEL))
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--costs", help="JSON {rows: ms} of verification forwards (default: the Zen 4's AVX-512 path)")
+    ap.add_argument("--one-engine", action="store_true",
+                    help="run the workloads in order on one engine per configuration, as a server serves them "
+                         "(the controller's record and the speculators' shared state carried from one to the next)")
     a = ap.parse_args()
     costs = draft_calibration.row_costs({int(k): float(v) for k, v in json.loads(a.costs).items()} if a.costs else ZEN4_AVX512_MS)
     charged = {"forward": 0.0, "draft": 0.0, "steps": 0}
@@ -72,9 +77,11 @@ def main() -> int:
             model = load(args)
             model.warm_up()
         parts = []
+        engine = None
         for w in load_workloads(a.workloads):
-            engine_config, specs = engine_setup(args, model)  # a fresh engine: no speculator state carried
-            engine = Engine(model, engine_config, specs)
+            if engine is None or not a.one_engine:
+                engine_config, specs = engine_setup(args, model)  # a fresh engine: no speculator state carried
+                engine = Engine(model, engine_config, specs)
             tokens = []
             for t in engine.generate(prompt_tokens(model, w), int(w.get("max_tokens", 256))):
                 if not tokens:  # decode time runs from the first token, as `speculant bench` counts it
