@@ -46,13 +46,11 @@ class EditBook:
     strict: dict[tuple[int, ...], dict[tuple, tuple[int, ...]]] = attrs.field(factory=dict)  # before -> (src, after) -> dst
     loose: dict[tuple[int, ...], dict[tuple[int, ...], tuple[int, ...]]] = attrs.field(factory=dict)  # before[-1:] -> src -> dst
     tally: dict[tuple, list[int]] = attrs.field(factory=dict)  # entry -> [made again, not]
-    count: int = 0
 
     def add(self, edit: Edit) -> None:
         entries = self.strict.setdefault(edit.before, {})
         key = (edit.src, edit.after)
         old = entries.pop(key, None)  # re-inserted: the most recent last
-        self.count += old is None
         if old is not None:
             self._mark(("strict", edit.before, *key), old == edit.dst)
         entries[key] = edit.dst
@@ -75,7 +73,11 @@ class EditBook:
         return not_made <= made
 
     def __len__(self) -> int:
-        return self.count
+        """The distinct changes recorded (each has a strict entry)."""
+        return sum(len(entries) for entries in self.strict.values())
+
+    def __bool__(self) -> bool:  # asked for every token taken: no count over the entries
+        return bool(self.strict)
 
     def at(self, text, j: int) -> tuple[int, tuple[int, ...], tuple] | None:
         """(tokens the edit replaces, tokens it writes, its entry) for an edit that applies at
@@ -133,7 +135,7 @@ class Alignment:
             t = output[self.o_done]
             if self.copying:
                 if self.p < len(self.text) and self.text[self.p] == t:
-                    edit = self.book.at(self.text, self.p) if len(self.book) else None
+                    edit = self.book.at(self.text, self.p) if self.book else None
                     if edit is not None and edit[1][:1] != (t,):  # it applied here, and the answer copied on
                         self.book.missed(edit[2])
                     self.p += 1
@@ -173,7 +175,7 @@ class Alignment:
         """The next n_max tokens of the copy with the recorded edits made in it, if one applies
         within them; else None (a plain copy is any copying speculator's draft), or with `copies`
         the plain copy."""
-        if not self.copying or not (len(self.book) or copies):
+        if not self.copying or not (self.book or copies):
             return None
         out: list[int] = []
         j, edited = self.p, False
