@@ -264,46 +264,47 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
         const BlockQ6K& blk = w[b];
         prefetch(&blk, sizeof(BlockQ6K));
         const float d = f16(blk.d);
-        // more than four rows share one decode of the block (as dot_q4k's)
-        constexpr int NS = NR > 4 ? NR : 1;
-        __m256i accn[NS];
-        if constexpr (NR > 4) {
-            const int8_t* xqn[NS];
-            const int16_t* bsn[NS];
-            for (int t = 0; t < NS; ++t) {
+        // More than four rows share one decode of the block (as dot_q4k's), their sums read in
+        // place, groups of four padded with zeros: copied into a group's array, the halves GCC
+        // stores them in are read back as ymm, a failed store forward per sum (8 rows took 2.2x
+        // the time of 7 on the output head).
+        constexpr bool SHARED = NR > 4;
+        __m256i accn[SHARED ? 4 * NG : 1];
+        if constexpr (SHARED) {
+            const int8_t* xqn[NR];
+            const int16_t* bsn[NR];
+            for (int t = 0; t < NR; ++t) {
                 const int64_t ab = (int64_t)(i0 + t) * a.nb + b;
                 xqn[t] = a.qs.data() + ab * 256;
                 bsn[t] = a.bs16.data() + ab * 16;
             }
-            q6k_dots<NS>(blk, xqn, bsn, accn);
+            q6k_dots<NR>(blk, xqn, bsn, accn);
+            for (int t = NR; t < 4 * NG; ++t) accn[t] = _mm256_setzero_si256();
         }
         for (int g = 0; g < NG; ++g) {
             const int rows = std::min(4, NR - 4 * g);
-            const int8_t* xq[4];
-            const int16_t* bs[4];
-            for (int t = 0; t < 4; ++t) {
-                const int64_t ab = (int64_t)(i0 + 4 * g + std::min(t, rows - 1)) * a.nb + b;
-                xq[t] = a.qs.data() + ab * 256;
-                bs[t] = a.bs16.data() + ab * 16;
-            }
             __m256i acc[4];
-            if constexpr (NR > 4) {
-                for (int t = 0; t < 4; ++t) acc[t] = accn[4 * g + std::min(t, rows - 1)];
-            } else if (rows == 4) q6k_dots<4>(blk, xq, bs, acc);
-            else if (rows == 3) q6k_dots<3>(blk, xq, bs, acc);
-            else if (rows == 2) q6k_dots<2>(blk, xq, bs, acc);
-            else q6k_dots<1>(blk, xq, bs, acc);
-            float dx[4];
-            for (int t = 0; t < 4; ++t) {
-                if (t >= rows) {
-                    acc[t] = _mm256_setzero_si256();
-                    dx[t] = 0.f;
-                } else {
-                    dx[t] = a.d[(int64_t)(i0 + 4 * g + t) * a.nb + b];
+            const __m256i* sums = acc;
+            if constexpr (SHARED) {
+                sums = accn + 4 * g;
+            } else {
+                const int8_t* xq[4];
+                const int16_t* bs[4];
+                for (int t = 0; t < 4; ++t) {
+                    const int64_t ab = (int64_t)(i0 + 4 * g + std::min(t, rows - 1)) * a.nb + b;
+                    xq[t] = a.qs.data() + ab * 256;
+                    bs[t] = a.bs16.data() + ab * 16;
                 }
+                if (rows == 4) q6k_dots<4>(blk, xq, bs, acc);
+                else if (rows == 3) q6k_dots<3>(blk, xq, bs, acc);
+                else if (rows == 2) q6k_dots<2>(blk, xq, bs, acc);
+                else q6k_dots<1>(blk, xq, bs, acc);
+                for (int t = rows; t < 4; ++t) acc[t] = _mm256_setzero_si256();
             }
+            float dx[4];
+            for (int t = 0; t < 4; ++t) dx[t] = t < rows ? a.d[(int64_t)(i0 + 4 * g + t) * a.nb + b] : 0.f;
             const __m128 dxv = _mm_setr_ps(dx[0], dx[1], dx[2], dx[3]);
-            s[g] = TILED ? epilogue_q6k_tiled(s[g], _mm_set1_ps(d), dxv, hsum4(acc)) : epilogue_q6k_canon(s[g], _mm_set1_ps(d), dxv, hsum4(acc));
+            s[g] = TILED ? epilogue_q6k_tiled(s[g], _mm_set1_ps(d), dxv, hsum4(sums)) : epilogue_q6k_canon(s[g], _mm_set1_ps(d), dxv, hsum4(sums));
         }
     }
     for (int i = 0; i < NR; ++i) {
@@ -385,7 +386,6 @@ void dot_q4k_w4_one(const uint8_t* row, size_t row_bytes, int nb, const Act& a, 
         const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(mh2), _mm256_extracti128_si256(mh2, 1));
         asm volatile("" ::: "memory");  // the pairs are read back below as broadcast loads
         __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 4
         for (int p = 0; p < 4; ++p) {
             const __m256i xl = load256(xq + 64 * p), xh = load256(xq + 64 * p + 32);
             for (int t = 0; t < 4; ++t) {
