@@ -25,6 +25,17 @@ def test_an_insertion_is_made_again_where_the_same_text_comes():
     assert a.draft(1) is None  # the change lies past the draft: a plain copy is any copying speculator's
 
 
+def test_edits_are_made_on_copies_of_the_prompt_only():
+    """The same answer as above, but the text it writes again with the hint is its own (the
+    prompt holds other text): the change is recorded, and not made where its own text comes again
+    (on answers written from scratch such drafts were wrong at once, see Alignment.draft)."""
+    a = Alignment((90, 91, 92, 93))
+    a.take(PROMPT + (DEF, F, OPEN, A, *HINT, COMMA, X, CLOSE, COLON, *BODY1, DEF, G, OPEN))
+    assert a.copying and len(a.book) == 1
+    assert a.draft(6) is None
+    assert a.draft(6, copies=True) == (A, COMMA, X, CLOSE, COLON, *BODY2[:1])  # the plain copy, where asked for
+
+
 def test_a_replacement_of_several_tokens_applies_in_other_text_around_it():
     Y = 10  # `x y`: a name of two tokens
     prompt = (DEF, F, OPEN, A, COMMA, X, Y, CLOSE, *BODY1, 40, A, COMMA, X, Y, 41, *BODY2)
