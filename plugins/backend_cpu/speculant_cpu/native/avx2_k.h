@@ -407,6 +407,68 @@ void dot_q4k_w4_one(const uint8_t* row, size_t row_bytes, int nb, const Act& a, 
     _mm_storeu_ps(y, _mm_sub_ps(s, sn));
 }
 
+// Decode arithmetic, R = 2 or 3 activation rows (a one- or two-token draft's verification)
+// against two weight rows: each block's values unpacked once for all R rows, the sums' epilogue in
+// xmm of four (lane 2i + t: activation row i, weight row t). AVX-512's four weight rows
+// (dot_q4k_w4_rows) need twice the registers the 16 ymm have (its ymm port spilled and was slower on
+// a Zen 3); two fit. The per-row kernels (dot_q4k<R>) unpack each block for one weight row and pay a
+// four-lane epilogue a weight row.
+template <int R>
+void dot_q4k_w2_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i0, float* y, int64_t ldy) {
+    constexpr int NL = (2 * R + 3) / 4;  // xmm of four sums
+    __m128 s[NL], sn[NL];
+    for (int g = 0; g < NL; ++g) s[g] = sn[g] = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < nb; ++b) {
+        const BlockQ4K* blk[2] = {(const BlockQ4K*)row + b, (const BlockQ4K*)(row + row_bytes) + b};
+        prefetch(blk[0], sizeof(BlockQ4K));
+        prefetch(blk[1], sizeof(BlockQ4K));
+        const Q4Scales sc[2] = {q4k_scales2(*blk[0]), q4k_scales2(*blk[1])};
+        int64_t ab[R];
+        const int8_t* xq[R];
+        for (int i = 0; i < R; ++i) {
+            ab[i] = (int64_t)(i0 + i) * a.nb + b;
+            xq[i] = a.qs.data() + ab[i] * 256;
+        }
+        __m256i acc[4 * NL];
+        for (int k = 0; k < 4 * NL; ++k) acc[k] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p)
+            for (int t = 0; t < 2; ++t) {
+                const __m256i q = load256(blk[t]->qs + 32 * p);
+                const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                const __m256i slo = _mm256_shuffle_epi8(sc[t].sc, SHUF.q4[2 * p]), shi = _mm256_shuffle_epi8(sc[t].sc, SHUF.q4[2 * p + 1]);
+                for (int i = 0; i < R; ++i) {
+                    __m256i& v = acc[2 * i + t];
+                    v = dpwssd(v, _mm256_maddubs_epi16(lo, load256(xq[i] + 64 * p)), slo);
+                    v = dpwssd(v, _mm256_maddubs_epi16(hi, load256(xq[i] + 64 * p + 32)), shi);
+                    asm("" : "+x"(v));  // in order, as q4k_dots
+                }
+            }
+        __m128i mm[4 * NL];
+        float d[4 * NL], dmin[4 * NL], dx[4 * NL];
+        for (int k = 0; k < 4 * NL; ++k) {
+            const int i = k / 2, t = k % 2;
+            if (i >= R) {
+                mm[k] = _mm_setzero_si128();
+                d[k] = dmin[k] = dx[k] = 0.f;
+                continue;
+            }
+            mm[k] = _mm_madd_epi16(sc[t].mins, _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab[i] * 8)));
+            d[k] = f16(blk[t]->d);
+            dmin[k] = f16(blk[t]->dmin);
+            dx[k] = a.d[ab[i]];
+        }
+        for (int g = 0; g < NL; ++g)
+            epilogue_q4k(s[g], sn[g], _mm_loadu_ps(d + 4 * g), _mm_loadu_ps(dmin + 4 * g), _mm_loadu_ps(dx + 4 * g), hsum4(acc + 4 * g),
+                         hsum4(mm + 4 * g));
+    }
+    for (int g = 0; g < NL; ++g) {
+        alignas(16) float out[4];
+        _mm_store_ps(out, _mm_sub_ps(s[g], sn[g]));
+        for (int k = 4 * g; k < std::min(4 * g + 4, 2 * R); ++k) y[(k / 2) * ldy + k % 2] = out[k % 4];
+    }
+}
+
 // One activation row against four weight rows in llama.cpp's decode arithmetic.
 void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};

@@ -382,6 +382,19 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             for (; r < r1; ++r) dot_tile(R, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
             return;
         }
+#else
+        // The AVX2 build's verification of a one- or two-token draft: two weight rows at a time
+        // (avx2_k.h).
+        if (qtype == T_Q4_K && !prompt && a1 - a0 <= 3) {
+            const int R = (int)(a1 - a0);
+            int64_t r = r0;
+            for (; r + 2 <= r1; r += 2) {
+                if (R == 2) dot_q4k_w2_rows<2>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+                else dot_q4k_w2_rows<3>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+            }
+            for (; r < r1; ++r) dot_tile(R, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
+            return;
+        }
 #endif
 #if SPK_AVX2 || SPK_AVX512
         // Q5_0 and Q4_0 from g_b32_tiled_min_rows rows: each weight row decoded once for all the
