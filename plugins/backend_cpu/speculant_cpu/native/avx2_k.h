@@ -386,6 +386,7 @@ void dot_q4k_w4_one(const uint8_t* row, size_t row_bytes, int nb, const Act& a, 
         const __m128i msum = _mm_unpacklo_epi32(_mm256_castsi256_si128(mh2), _mm256_extracti128_si256(mh2, 1));
         asm volatile("" ::: "memory");  // the pairs are read back below as broadcast loads
         __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 4
         for (int p = 0; p < 4; ++p) {
             const __m256i xl = load256(xq + 64 * p), xh = load256(xq + 64 * p + 32);
             for (int t = 0; t < 4; ++t) {
