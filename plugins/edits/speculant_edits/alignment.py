@@ -183,13 +183,13 @@ class Alignment:
         of the twelve edits copied the prompt (116 token positions, 2301 of 5452 draft tokens
         right), and every one of the free answers copied their own text (8 positions, 5 of 376
         right, 47-token drafts that cost a 48-row verification each)."""
-        from_prompt = self.p < len(self.prompt)
-        if not self.copying or not ((self.book and from_prompt) or copies):
+        edits = self.p < len(self.prompt) and bool(self.book)
+        if not self.copying or not (edits or copies):
             return None
         out: list[int] = []
         j, edited = self.p, False
         while len(out) < n_max and j < len(self.text):
-            edit = self.book.at(self.text, j) if from_prompt and self.book else None
+            edit = self.book.at(self.text, j) if edits else None
             if edit is not None:
                 n_src, dst, _ = edit
                 out.extend(dst)

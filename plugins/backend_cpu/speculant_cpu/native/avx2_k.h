@@ -425,6 +425,7 @@ void dot_q4k_w2_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
         prefetch(blk[0], sizeof(BlockQ4K));
         prefetch(blk[1], sizeof(BlockQ4K));
         const Q4Scales sc[2] = {q4k_scales2(*blk[0]), q4k_scales2(*blk[1])};
+        const float dw[2] = {f16(blk[0]->d), f16(blk[1]->d)}, dminw[2] = {f16(blk[0]->dmin), f16(blk[1]->dmin)};
         int64_t ab[R];
         const int8_t* xq[R];
         for (int i = 0; i < R; ++i) {
@@ -455,8 +456,8 @@ void dot_q4k_w2_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
                 continue;
             }
             mm[k] = _mm_madd_epi16(sc[t].mins, _mm_loadu_si128((const __m128i*)(a.bs32.data() + ab[i] * 8)));
-            d[k] = f16(blk[t]->d);
-            dmin[k] = f16(blk[t]->dmin);
+            d[k] = dw[t];
+            dmin[k] = dminw[t];
             dx[k] = a.d[ab[i]];
         }
         for (int g = 0; g < NL; ++g)
