@@ -7,7 +7,8 @@
 # configuration measured on code edits (ours: suffix,ngram-simple, 47 tokens, depth 64, with the
 # adaptive controller off as "best" and on, the default, as "adaptive", and both again with the
 # MTP head after suffix; llama.cpp: ngram-map-k).
-# ROUNDS=N interleaves N rounds (medians on a noisy box); ONLY=workload limits the workloads
+# ROUNDS=N runs N rounds (medians on a noisy box; INTERLEAVE=1 interleaves them request by request,
+# below); ONLY=workload limits the workloads
 # (default code-edit-bisect; ONLY= for all); PATHS="avx2 ..." and CONFIGS="plain adaptive ..." keep
 # only those paths (and their llama.cpp build) and those configurations of ours.
 #
@@ -65,6 +66,28 @@ kept=(); for p in "${paths[@]}"; do keep "${p%%:*}" "${PATHS:-}" && kept+=("$p")
 kept=(); for c in "${configs[@]}"; do keep "${c%%:*}" "${CONFIGS:-}" && kept+=("$c"); done; configs=("${kept[@]}")
 keep avx512 "${PATHS:-}" || keep amx "${PATHS:-}" || LS=
 keep avx2 "${PATHS:-}" || LS2=
+
+# INTERLEAVE=1: all servers of a round up at once, each request sent to every server in turn
+# (scripts/bench_interleaved.py), so a slow spell of a shared host lands on all of them.
+if [ "${INTERLEAVE:-0}" = 1 ]; then
+  servers=(); port=8090
+  add() { servers+=(--server "$1 $port $2 --port $port"); port=$((port + 1)); }
+  for cfg in "plain:" "ngram-map-k:--spec-type ngram-map-k"; do
+    name=${cfg%%:*}; flags=${cfg#*:}
+    [ -n "$LS" ] && add llama-avx512-$name "$LS -m $T -t 2 -c 4096 -np 1 $flags"
+    [ -n "$LS2" ] && add llama-avx2-$name "$LS2 -m $T -t 2 -c 4096 -np 1 $flags"
+  done
+  for p in "${paths[@]}"; do
+    path=${p%%:*}; envs=${p#*:}
+    for cfg in "${configs[@]}"; do
+      add ours-$path-${cfg%%:*} "env $envs .venv/bin/speculant serve -m $T -t 2 -c 4096 -np 1 ${cfg#*:}"
+    done
+  done
+  SBI="--specbench ${SPECBENCH:-../shared/bench/specbench.py} --workloads tests/data/workloads-public.json --out ${OUT:-paths.jsonl}"
+  [ -n "$ONLY" ] && SBI="$SBI --only $ONLY"
+  $PY scripts/bench_interleaved.py $SBI --rounds "${ROUNDS:-1}" "${servers[@]}"
+  echo "== done"; exit 0
+fi
 
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for cfg in "plain:" "ngram-map-k:--spec-type ngram-map-k"; do
