@@ -471,6 +471,21 @@ void dot_q4k_w2_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
     }
 }
 
+// linear.cpp's Q4_K kernel for R = 1-3 activation rows from i0, as vnni_k.h's: decode four weight
+// rows a call (dot_q4k_w4_one), a one- or two-token draft's verification two (dot_q4k_w2_rows:
+// AVX-512's four need twice the 16 ymm). Weight rows r.. of W while a whole group remains;
+// returns the first row left to the per-row kernels. Output y[(i0 + i) * ldy + row].
+template <int R>
+inline int64_t dot_q4k_few_rows(const uint8_t* W, size_t row_bytes, int64_t r, int64_t r1, int nb, const Act& a, int i0,
+                                float* y, int64_t ldy) {
+    if constexpr (R == 1) {
+        for (; r + 4 <= r1; r += 4) dot_q4k_w4_one(W + r * row_bytes, row_bytes, nb, a, i0, y + i0 * ldy + r);
+    } else {
+        for (; r + 2 <= r1; r += 2) dot_q4k_w2_rows<R>(W + r * row_bytes, row_bytes, nb, a, i0, y + i0 * ldy + r, ldy);
+    }
+    return r;
+}
+
 // One activation row against four weight rows in llama.cpp's decode arithmetic.
 void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};

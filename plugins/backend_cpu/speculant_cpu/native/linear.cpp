@@ -336,18 +336,11 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         }
 #endif
         if (a1 - a0 == 1 && !prompt) {  // decode: four weight rows at a time
-            int64_t r = r0;
+            int64_t r = qtype == T_Q4_K ? dot_q4k_few_rows<1>(W, row_bytes, r0, r1, nb, a, (int)a0, y, n) : r0;
             for (; r + 4 <= r1; r += 4) {
                 const uint8_t* w4 = W + r * row_bytes;
                 float* y4 = y + a0 * n + r;
                 switch (qtype) {
-                    case T_Q4_K:
-#if SPK_AVX512
-                        dot_q4k_w4_rows<1>(w4, row_bytes, nb, a, (int)a0, y + r, n);
-#else
-                        dot_q4k_w4_one(w4, row_bytes, nb, a, (int)a0, y4);
-#endif
-                        break;
                     case T_Q6_K:
                         if (canon) dot_q6k_canon_w4(w4, row_bytes, nb, a, (int)a0, y4);
                         else dot_q6k_w4(w4, row_bytes, nb, a, (int)a0, y4);
@@ -363,39 +356,20 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             }
             return;
         }
-#if SPK_AVX512
-        // A one- or two-token draft's verification (2-3 rows): as decode, four weight rows at a
-        // time. Measured on Zen 4 with the weights in cache, 8960x1536: 3 rows 340-347 -> 298-317
-        // us; at 4 rows the registers spill and the per-row kernels are faster (388 against 451
-        // us). Its ymm version (8 accumulators and the unpacked block in 16 ymm) was slower on
-        // AVX2: on a Zen 3 the 1.5B's matrices at 2 rows (from memory, libraries alternated in one
-        // process) took 91.3 ms with it against 76.3 on the per-row kernels; AVX2 builds take two
-        // weight rows at a time instead (below).
+        // A one- or two-token draft's verification (2-3 rows): as decode, several weight rows a
+        // call (dot_q4k_few_rows). AVX-512, four: measured on Zen 4 with the weights in cache,
+        // 8960x1536, 3 rows 340-347 -> 298-317 us; at 4 rows the registers spill and the per-row
+        // kernels are faster (388 against 451 us). AVX2, two (its four-row port spilled: on a Zen 3
+        // the 1.5B's matrices at 2 rows took 91.3 ms against 76.3 on the per-row kernels); Zen 4,
+        // whole verification forwards at 2 rows after 200 cached tokens: 49.0 / 53.7 ms on the
+        // per-row kernels, 45.8 / 46.1 with the two-row one.
         if (qtype == T_Q4_K && !prompt && a1 - a0 <= 3) {
             const int R = (int)(a1 - a0);
-            int64_t r = r0;
-            for (; r + 4 <= r1; r += 4) {
-                if (R == 2) dot_q4k_w4_rows<2>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + r, n);
-                else dot_q4k_w4_rows<3>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + r, n);
-            }
+            int64_t r = R == 2 ? dot_q4k_few_rows<2>(W, row_bytes, r0, r1, nb, a, (int)a0, y, n)
+                               : dot_q4k_few_rows<3>(W, row_bytes, r0, r1, nb, a, (int)a0, y, n);
             for (; r < r1; ++r) dot_tile(R, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
             return;
         }
-#else
-        // The AVX2 build's verification of a one- or two-token draft: two weight rows at a time
-        // (avx2_k.h). Zen 4, whole verification forwards at 2 rows after 200 cached tokens: 49.0 /
-        // 53.7 ms on the per-row kernels, 45.8 / 46.1 with it.
-        if (qtype == T_Q4_K && !prompt && a1 - a0 <= 3) {
-            const int R = (int)(a1 - a0);
-            int64_t r = r0;
-            for (; r + 2 <= r1; r += 2) {
-                if (R == 2) dot_q4k_w2_rows<2>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
-                else dot_q4k_w2_rows<3>(W + r * row_bytes, row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
-            }
-            for (; r < r1; ++r) dot_tile(R, qtype, W + r * row_bytes, nb, a, (int)a0, y + a0 * n + r, n);
-            return;
-        }
-#endif
 #if SPK_AVX2 || SPK_AVX512
         // Q5_0 and Q4_0 from g_b32_tiled_min_rows rows: each weight row decoded once for all the
         // item's activation rows, then tiles (avx2_b32.h's and vnni_b32.h's dot_b32_tiled; the

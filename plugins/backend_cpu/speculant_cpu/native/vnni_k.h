@@ -354,6 +354,16 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
     for (int r = 0; r < R; ++r) _mm_storeu_ps(y + (i0 + r) * ldy, _mm_sub_ps(s[r], sn[r]));
 }
 
+// linear.cpp's Q4_K kernel for R = 1-3 activation rows from i0 (decode, a one- or two-token
+// draft's verification): weight rows r.. of W four at a time while four remain; returns the first
+// row left to the per-row kernels. Output y[(i0 + i) * ldy + row], as every ISA's.
+template <int R>
+inline int64_t dot_q4k_few_rows(const uint8_t* W, size_t row_bytes, int64_t r, int64_t r1, int nb, const Act& a, int i0,
+                                float* y, int64_t ldy) {
+    for (; r + 4 <= r1; r += 4) dot_q4k_w4_rows<R>(W + r * row_bytes, row_bytes, nb, a, i0, y + r, ldy);
+    return r;
+}
+
 void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
     __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
