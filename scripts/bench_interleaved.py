@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_bench import peak_rss_mb, read, wait_healthy  # noqa: E402
 
-SETTLE_S = 1.0  # between two requests: threads of the server before stop spinning (torch's OpenMP pool spins ~0.2 s)
+SETTLE_S = 1.0  # between two requests: the last server's threads stop spinning (our pool, llama.cpp's --poll) first
 
 
 def parse_server(spec: str) -> tuple[str, int, list[str]]:
