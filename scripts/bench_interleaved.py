@@ -31,7 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_bench import peak_rss_mb, read, wait_healthy  # noqa: E402
+from serve_bench import peak_rss_mb, read, summarize, wait_healthy  # noqa: E402
 
 SETTLE_S = 1.0  # between two requests: the last server's threads stop spinning (our pool, llama.cpp's --poll) first
 
@@ -54,11 +54,11 @@ def workload_names(path: str, only: str | None) -> list[str]:
 
 def run_round(args, servers, names: list[str], round_no: int, out_dir: str) -> list[dict]:
     log_stem = os.path.splitext(args.out)[0]
-    procs = {}
+    procs, logs = {}, []
     try:
         for label, port, cmd in servers:
-            log = open(f"{log_stem}.{label}.r{round_no}.server.log", "w")
-            procs[label] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            logs.append(open(f"{log_stem}.{label}.r{round_no}.server.log", "w"))
+            procs[label] = subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT)
         for label, port, _ in servers:
             wait_healthy(f"http://127.0.0.1:{port}", procs[label])
         shift = round_no % len(servers)
@@ -80,18 +80,11 @@ def run_round(args, servers, names: list[str], round_no: int, out_dir: str) -> l
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    lines = []
-    for label, _, cmd in servers:
-        rows = read(os.path.join(out_dir, f"{label}.jsonl"))
-        single = []
-        for r in rows:
-            s = {k: r.get(k) for k in ("workload", "completion_tokens", "ttft_s", "decode_tok_s", "text")}
-            t = r.get("timings") or {}  # drafted and accepted tokens, where the server reports them
-            s.update(draft_n=t.get("draft_n"), draft_n_accepted=t.get("draft_n_accepted"),
-                     draft_rounds=t.get("draft_rounds"), draft_ms=t.get("draft_ms"))
-            single.append(s)
-        lines.append({"label": label, "server": " ".join(cmd), "round": round_no, "single": single, "peak_rss_mb": rss[label]})
-    return lines
+        for log in logs:
+            log.close()
+    return [{"label": label, "server": " ".join(cmd), "round": round_no,
+             "single": summarize(read(os.path.join(out_dir, f"{label}.jsonl"))), "peak_rss_mb": rss[label]}
+            for label, _, cmd in servers]
 
 
 def main() -> int:

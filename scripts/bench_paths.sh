@@ -20,6 +20,7 @@ ONLY=${ONLY-code-edit-bisect}
 SB="--specbench ${SPECBENCH:-../shared/bench/specbench.py} --workloads tests/data/workloads-public.json --out ${OUT:-paths.jsonl}"
 [ -n "$ONLY" ] && SB="$SB --only $ONLY"
 PY=.venv/bin/python
+SERVER_ARGS="-m $T -t 2 -c 4096 -np 1"  # every server, ours and llama.cpp's: one slot, two threads
 # On a CPU without AVX-512 (AMD Zen 2-3, Intel's consumer parts) only the AVX2 path exists: set
 # LLAMA_SERVER_AVX2 alone.
 has_avx512=0; grep -qw avx512_vnni /proc/cpuinfo && has_avx512=1
@@ -74,18 +75,16 @@ if [ "${INTERLEAVE:-0}" = 1 ]; then
   add() { servers+=(--server "$1 $port $2 --port $port"); port=$((port + 1)); }
   for cfg in "plain:" "ngram-map-k:--spec-type ngram-map-k"; do
     name=${cfg%%:*}; flags=${cfg#*:}
-    [ -n "$LS" ] && add llama-avx512-$name "$LS -m $T -t 2 -c 4096 -np 1 $flags"
-    [ -n "$LS2" ] && add llama-avx2-$name "$LS2 -m $T -t 2 -c 4096 -np 1 $flags"
+    [ -n "$LS" ] && add llama-avx512-$name "$LS $SERVER_ARGS $flags"
+    [ -n "$LS2" ] && add llama-avx2-$name "$LS2 $SERVER_ARGS $flags"
   done
   for p in "${paths[@]}"; do
     path=${p%%:*}; envs=${p#*:}
     for cfg in "${configs[@]}"; do
-      add ours-$path-${cfg%%:*} "env $envs .venv/bin/speculant serve -m $T -t 2 -c 4096 -np 1 ${cfg#*:}"
+      add ours-$path-${cfg%%:*} "env $envs .venv/bin/speculant serve $SERVER_ARGS ${cfg#*:}"
     done
   done
-  SBI="--specbench ${SPECBENCH:-../shared/bench/specbench.py} --workloads tests/data/workloads-public.json --out ${OUT:-paths.jsonl}"
-  [ -n "$ONLY" ] && SBI="$SBI --only $ONLY"
-  $PY scripts/bench_interleaved.py $SBI --rounds "${ROUNDS:-1}" "${servers[@]}"
+  $PY scripts/bench_interleaved.py $SB --rounds "${ROUNDS:-1}" "${servers[@]}"
   echo "== done"; exit 0
 fi
 
@@ -94,11 +93,11 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     name=${cfg%%:*}; flags=${cfg#*:}
     if [ -n "$LS" ]; then
       echo "== round $round: llama.cpp avx512 $name"
-      $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx512-$name -- $LS -m $T --port 8091 -t 2 -c 4096 -np 1 $flags
+      $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx512-$name -- $LS $SERVER_ARGS --port 8091 $flags
     fi
     if [ -n "$LS2" ]; then
       echo "== round $round: llama.cpp avx2 $name"
-      $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx2-$name -- $LS2 -m $T --port 8091 -t 2 -c 4096 -np 1 $flags
+      $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx2-$name -- $LS2 $SERVER_ARGS --port 8091 $flags
     fi
   done
   for p in "${paths[@]}"; do
@@ -107,7 +106,7 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
       name=${cfg%%:*}; flags=${cfg#*:}
       echo "== round $round: speculant $path $name"
       $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8090 --label ours-$path-$name -- \
-        env $envs .venv/bin/speculant serve -m $T --port 8090 -t 2 -c 4096 -np 1 $flags
+        env $envs .venv/bin/speculant serve $SERVER_ARGS --port 8090 $flags
     done
   done
 done

@@ -55,6 +55,7 @@ def main() -> int:
         build = "avx2" if path == "avx2" else "avx512"  # llama.cpp has no AMX path for these types
         ours = [label for label in labels if label.startswith(f"ours-{path}-")]
         configs = [label for label in ours if label != f"ours-{path}-plain"]
+        llama = [label for label in labels if label.startswith(f"llama-{build}-")]
         print(f"### {path} (llama.cpp's {build} build)\n")
         print("| workload | " + " | ".join(c.removeprefix(f"ours-{path}-") + " / our plain" for c in configs)
               + " | ours best / llama.cpp best | our plain / llama.cpp plain | TTFT, llama.cpp / ours (plain) | our text |")
@@ -63,7 +64,6 @@ def main() -> int:
             speed = {label: [s["decode_tok_s"] for s in runs.get((label, w), [])] for label in labels}
             plain = speed.get(f"ours-{path}-plain", [])
             cells = [fmt(median_ratio(speed[c], plain)) for c in configs]
-            llama = [label for label in labels if label.startswith(f"llama-{build}-")]
             rounds = min(len(speed[label]) for label in ours + llama)
             best_llama = [max(speed[label][i] for label in llama) for i in range(rounds)]
             # one configuration, the one with the best median (not the fastest of each round)

@@ -64,6 +64,19 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def summarize(rows: list[dict]) -> list[dict]:
+    """specbench.py's lines as a sitting keeps them: the request's figures and text, and the
+    drafted and accepted tokens where the server reports them (draft rounds and ms: ours only)."""
+    out = []
+    for r in rows:
+        s = {k: r.get(k) for k in ("workload", "completion_tokens", "ttft_s", "decode_tok_s", "text")}
+        t = r.get("timings") or {}
+        s.update(draft_n=t.get("draft_n"), draft_n_accepted=t.get("draft_n_accepted"),
+                 draft_rounds=t.get("draft_rounds"), draft_ms=t.get("draft_ms"))
+        out.append(s)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--specbench", required=True)
@@ -85,12 +98,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             single = os.path.join(tmp, "single.jsonl")
             run_specbench(args, single, args.label).wait()
-            rows = read(single)
-            summary["single"] = [{k: r.get(k) for k in ("workload", "completion_tokens", "ttft_s", "decode_tok_s", "text")} for r in rows]
-            for s, r in zip(summary["single"], rows):  # drafted and accepted tokens, where the server reports them
-                t = r.get("timings") or {}
-                s["draft_n"], s["draft_n_accepted"] = t.get("draft_n"), t.get("draft_n_accepted")
-                s["draft_rounds"], s["draft_ms"] = t.get("draft_rounds"), t.get("draft_ms")  # ours only
+            summary["single"] = summarize(read(single))
             if args.clients:
                 t0 = time.perf_counter()
                 procs = [run_specbench(args, os.path.join(tmp, f"c{i}.jsonl"), f"{args.label}-c{i}") for i in range(args.clients)]
