@@ -314,28 +314,6 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
     }
 }
 
-// One activation row against four weight rows in Q6_K's canonical form (lane t: weight row t).
-void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
-    __m128 s = _mm_setzero_ps();
-    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
-    for (int b = 0; b < nb; ++b) {
-        const int64_t ab = (int64_t)i * a.nb + b;
-        const int8_t* xq = a.qs.data() + ab * 256;
-        const int16_t* bs = a.bs16.data() + ab * 16;
-        __m256i acc[4];
-        float d[4];
-        for (int t = 0; t < 4; ++t) {
-            const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
-            pf.fetch(t, sizeof(BlockQ6K));
-            d[t] = f16(blk.d);
-            q6k_dots<1>(blk, &xq, &bs, &acc[t]);
-        }
-        s = epilogue_q6k_canon(s, _mm_loadu_ps(d), _mm_set1_ps(a.d[ab]), hsum4(acc));
-        pf.next();
-    }
-    _mm_storeu_ps(y, s);
-}
-
 // q4k_scales on two blocks at once, one per 128-bit lane.
 inline __m256i q4k_scales_pair(__m256i h) {
     const __m256i x = _mm256_srlv_epi32(_mm256_shuffle_epi32(h, 0xED), _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4));
@@ -484,26 +462,6 @@ inline int64_t dot_q4k_few_rows(const uint8_t* W, size_t row_bytes, int64_t r, i
         for (; r + 2 <= r1; r += 2) dot_q4k_w2_rows<R>(W + r * row_bytes, row_bytes, nb, a, i0, y + i0 * ldy + r, ldy);
     }
     return r;
-}
-
-// One activation row against four weight rows in llama.cpp's decode arithmetic.
-void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
-    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
-    for (int b = 0; b < nb; ++b) {
-        const int64_t ab = (int64_t)i * a.nb + b;
-        const int8_t* xq = a.qs.data() + ab * 256;
-        const int16_t* bs = a.bs16.data() + ab * 16;
-        for (int t = 0; t < 4; ++t) {
-            const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
-            pf.fetch(t, sizeof(BlockQ6K));
-            __m256i v;
-            q6k_dots<1>(blk, &xq, &bs, &v);
-            s[t] = epilogue_q6k(s[t], a.d[ab] * f16(blk.d), v);
-        }
-        pf.next();
-    }
-    for (int t = 0; t < 4; ++t) y[t] = hsum8(s[t]);
 }
 
 }  // namespace

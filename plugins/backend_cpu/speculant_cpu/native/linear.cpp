@@ -335,16 +335,17 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
             a0 = std::max(a0, m_tiled);  // the tail's rows, on the weight rows just read: the per-row kernels below
         }
 #endif
-        if (a1 - a0 == 1 && !prompt) {  // decode: four weight rows at a time
+        // Decode: four weight rows at a time, but Q6_K's one at a time. Its four-row kernels
+        // (removed) computed the same bits and streamed slower: in weights on 2 MiB pages, Zen 4,
+        // 2 cores, alternated in one process, 1536 x 8960 33.0 -> 37.1 GB/s one at a time, the
+        // 151936 x 1536 head 28.4 -> 30.8, 256 x 1536 23.9 -> 28.4 on AVX-512; on AVX2 even,
+        // 28.5 -> 29.6, 17.5 -> 20.3 (docs/benchmarks.md, fortieth run).
+        if (a1 - a0 == 1 && !prompt) {
             int64_t r = qtype == T_Q4_K ? dot_q4k_few_rows<1>(W, row_bytes, r0, r1, nb, a, (int)a0, y, n) : r0;
-            for (; r + 4 <= r1; r += 4) {
+            for (; qtype != T_Q6_K && r + 4 <= r1; r += 4) {
                 const uint8_t* w4 = W + r * row_bytes;
                 float* y4 = y + a0 * n + r;
                 switch (qtype) {
-                    case T_Q6_K:
-                        if (canon) dot_q6k_canon_w4(w4, row_bytes, nb, a, (int)a0, y4);
-                        else dot_q6k_w4(w4, row_bytes, nb, a, (int)a0, y4);
-                        break;
                     case T_Q8_0: dot_b32_w4<BlockQ8_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
                     case T_Q5_0: dot_b32_w4<BlockQ5_0>(w4, row_bytes, nb, a, (int)a0, y4); break;
                     case T_Q4_0: dot_b32_w4<BlockQ4_0>(w4, row_bytes, nb, a, (int)a0, y4); break;

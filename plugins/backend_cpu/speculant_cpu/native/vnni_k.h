@@ -240,37 +240,6 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
     }
 }
 
-void dot_q6k_canon_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
-    __m128 s = _mm_setzero_ps();
-    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
-    for (int b = 0; b < nb; ++b) {
-        const int64_t ab = (int64_t)i * a.nb + b;
-        const int8_t* xq = a.qs.data() + ab * 256;
-        __m512i x[4];
-        load_x4(xq, x);
-        const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
-        __m512i acc[4];
-        float d[4];
-        for (int t = 0; t < 4; ++t) {
-            const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
-            pf.fetch(t, sizeof(BlockQ6K));
-            d[t] = f16(blk.d);
-            __m512i q[4];
-            q6k_values(blk, q);
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
-            const __m512i sc16z = _mm512_castsi256_si512(sc16);
-            const __m512i sg[4] = {_mm512_permutexvar_epi16(Q6.idx[0], sc16z), _mm512_permutexvar_epi16(Q6.idx[1], sc16z),
-                                   _mm512_permutexvar_epi16(Q6.idx[2], sc16z), _mm512_permutexvar_epi16(Q6.idx[3], sc16z)};
-            const __m512i v = scaled_dot4(q, sg, x);
-            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-            acc[t] = _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr));
-        }
-        s = epilogue_q6k_canon(s, _mm_loadu_ps(d), _mm_set1_ps(a.d[ab]), hsum4(acc));
-        pf.next();
-    }
-    _mm_storeu_ps(y, s);
-}
-
 // Q4.idx for the int16 scales of the row in the upper half of a zmm of two rows' scales.
 struct Q4HiIdx {
     __m512i idx[4];
@@ -362,33 +331,6 @@ inline int64_t dot_q4k_few_rows(const uint8_t* W, size_t row_bytes, int64_t r, i
                                 float* y, int64_t ldy) {
     for (; r + 4 <= r1; r += 4) dot_q4k_w4_rows<R>(W + r * row_bytes, row_bytes, nb, a, i0, y + r, ldy);
     return r;
-}
-
-void dot_q6k_w4(const uint8_t* row, size_t row_bytes, int nb, const Act& a, int i, float* y) {
-    __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    W4Prefetch pf(row, row_bytes, nb, sizeof(BlockQ6K));
-    for (int b = 0; b < nb; ++b) {
-        const int64_t ab = (int64_t)i * a.nb + b;
-        const int8_t* xq = a.qs.data() + ab * 256;
-        __m512i x[4];
-        load_x4(xq, x);
-        const __m256i bs = _mm256_loadu_si256((const __m256i*)(a.bs16.data() + ab * 16));
-        for (int t = 0; t < 4; ++t) {
-            const BlockQ6K& blk = ((const BlockQ6K*)(row + t * row_bytes))[b];
-            pf.fetch(t, sizeof(BlockQ6K));
-            __m512i q[4];
-            q6k_values(blk, q);
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)blk.scales));
-            const __m512i sc16z = _mm512_castsi256_si512(sc16);
-            const __m512i sg[4] = {_mm512_permutexvar_epi16(Q6.idx[0], sc16z), _mm512_permutexvar_epi16(Q6.idx[1], sc16z),
-                                   _mm512_permutexvar_epi16(Q6.idx[2], sc16z), _mm512_permutexvar_epi16(Q6.idx[3], sc16z)};
-            const __m512i v = scaled_dot4(q, sg, x);
-            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-            s[t] = epilogue_q6k(s[t], a.d[ab] * f16(blk.d), _mm512_sub_epi32(v, _mm512_zextsi256_si512(corr)));
-        }
-        pf.next();
-    }
-    for (int t = 0; t < 4; ++t) y[t] = hsum8(s[t]);
 }
 
 }  // namespace
