@@ -549,13 +549,15 @@ def test_unsupported_shapes_are_refused():
     assert lib.spk_supports(int(Q.Q8_0), 96)
 
 
-def test_backend_uses_native_kernels_and_keeps_the_mapping():
+def test_backend_uses_native_kernels_and_keeps_the_mapping(monkeypatch):
+    """With huge pages off the kernels read the file's map (the loader must keep its pages)."""
     from speculant_cpu.backend import CpuBackend, NativeLinear
 
+    monkeypatch.setenv("SPECULANT_HUGEPAGES", "0")
     raw = quantize(np.random.default_rng(0).standard_normal((32, 256)).astype(np.float32), Q.Q4_K)
     info = type("Info", (), {"data": raw, "qtype": Q.Q4_K, "shape": (32, 256)})()
     lin = CpuBackend().linear(info)
-    assert isinstance(lin, NativeLinear) and lin.uses_mapping
+    assert isinstance(lin, NativeLinear) and lin.uses_mapping and lin.raw is raw
     assert type(CpuBackend(use_native=False).linear(info)).__name__ == "Int4Linear"
 
 

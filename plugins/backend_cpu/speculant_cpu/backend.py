@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from speculant.gguf import dequantize, dequantize_rows, unpack_q4_groups
 from speculant.logs import get_logger
 
-from speculant_cpu import fused, native, screen
+from speculant_cpu import fused, hugepages, native, screen
 
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
 GROUP = 32
@@ -69,21 +69,24 @@ class Int4Linear:
 
 
 class NativeLinear:
-    """y = x @ W.T (+ b) by the native fused kernels, W read in its GGUF format straight from the
-    file's memory map (no copy: resident memory stays about the size of the file). x is quantized
-    per call to 8 bits as llama.cpp does (Q8_K or Q8_0), and the arithmetic is llama.cpp's, so the
-    results are its results. The backend's `batch` scope says how each row is computed (prompt
-    rows take the arithmetic llama.cpp uses for a prompt)."""
-
-    uses_mapping = True  # the loader must not release this tensor's pages
+    """y = x @ W.T (+ b) by the native fused kernels, W in its GGUF format: a copy in huge pages
+    (hugepages.py), or where those are off straight from the file's memory map. Either way
+    resident memory stays about the size of the file. x is quantized per call to 8 bits as
+    llama.cpp does (Q8_K or Q8_0), and the arithmetic is llama.cpp's, so the results are its
+    results. The backend's `batch` scope says how each row is computed (prompt rows take the
+    arithmetic llama.cpp uses for a prompt)."""
 
     def __init__(self, backend, lib, info, bias):
         self.backend = backend
         self.lib, self.qtype = lib, int(info.qtype)
-        self.raw = info.data  # keeps the mapping alive
+        copied = hugepages.copy(info.data, lib)
+        # the loader must not release the file's pages of a tensor read from its map
+        self.uses_mapping = copied is None
+        self.raw = info.data if copied is None else copied  # keeps the mapping, or the copy, alive
         self.ptr = self.raw.ctypes.data
         self.out_features, self.in_features = info.shape
-        lib.spk_prefault(self.ptr, self.raw.nbytes)  # fault the pages in now, not in the first forward
+        if copied is None:
+            lib.spk_prefault(self.ptr, self.raw.nbytes)  # fault the pages in now, not in the first forward
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

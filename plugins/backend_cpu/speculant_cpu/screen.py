@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType as Q
 from speculant.gguf import dequantize, quantize_k
 from speculant.logs import get_logger
 
-from speculant_cpu import native
+from speculant_cpu import hugepages, native
 
 log = get_logger(__name__)
 
@@ -168,7 +168,11 @@ class ScreenedHead:
     def _build(self) -> None:
         try:
             screen = load_or_build(self.head.raw, self.head.qtype, self.n, self.k, self._cancel)
-            self.lib.spk_prefault(screen.q4.ctypes.data, screen.q4.nbytes)
+            q4 = hugepages.copy(screen.q4, self.lib)  # streamed at every greedy decode step, as the weights
+            if q4 is None:
+                self.lib.spk_prefault(screen.q4.ctypes.data, screen.q4.nbytes)
+            else:
+                screen.q4 = q4
             self.screen = screen
             log.info("screen_ready", rows=self.n, mbytes=round(screen.q4.nbytes / 1e6, 1))
         except Cancelled:

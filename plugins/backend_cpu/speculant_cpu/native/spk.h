@@ -48,6 +48,7 @@ int spk_linear(int qtype, const void* weights, int64_t n, int64_t k, const float
 int spk_linear_mode(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, int mode);
 int spk_linear_prompt(int qtype, const void* weights, int64_t n, int64_t k, const float* x, int64_t m, float* y, const uint8_t* kind);
 void spk_prefault(const void* ptr, int64_t bytes);
+void spk_copy(void* dst, const void* src, int64_t bytes);
 int spk_amx_available();
 int spk_amx_built();
 int spk_set_amx_min_rows(int rows);
