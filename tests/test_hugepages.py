@@ -90,3 +90,22 @@ def test_blocks_are_marked_for_huge_pages():
                 break
     assert flags is not None and " hg" in flags
     assert mmap.PAGESIZE <= hugepages.HUGE
+
+
+def test_tied_embedding_reads_the_heads_copy(monkeypatch):
+    """Where the output head and the token embedding are one table, the lookup reads the head's
+    copy (the file's pages stay released) and gives the rows the map gives."""
+    from speculant_cpu.backend import CpuBackend
+
+    monkeypatch.setenv("SPECULANT_HUGEPAGES", "1")
+    monkeypatch.setattr(hugepages, "thp_mode", lambda: "madvise")
+    backend = CpuBackend()
+    info = linear_info(n=40, k=256, qtype=Q.Q6_K)
+    head = backend.linear(info)
+    table = backend.embedding(info)
+    assert not head.uses_mapping and table.raw is head.raw
+    other = backend.embedding(linear_info(n=40, k=256, qtype=Q.Q6_K, seed=3))  # untied: the map
+    assert other.raw is not head.raw
+    ids = torch.tensor([0, 7, 39, 7])
+    monkeypatch.setenv("SPECULANT_HUGEPAGES", "0")
+    assert torch.equal(table(ids), CpuBackend().embedding(info)(ids))

@@ -119,12 +119,19 @@ class DenseLinear:
         return y if self.bias is None else y + self.bias
 
 
-class QuantEmbedding:
-    """Token embedding lookup that reads rows straight from the file's memory map and dequantizes
-    only the rows used: the table never becomes resident memory of its own."""
+def _source(data: np.ndarray) -> tuple[int, int]:
+    """Where a tensor's bytes are (address, size): the same table loaded twice is the same key."""
+    return data.__array_interface__["data"][0], data.nbytes
 
-    def __init__(self, info):
-        self.raw = info.data  # a read-only view into the mapping, which it keeps open
+
+class QuantEmbedding:
+    """Token embedding lookup that reads rows straight from the file's memory map (or from the
+    output head's copy of the same table, where the model ties them) and dequantizes only the
+    rows used: the table never becomes resident memory of its own."""
+
+    def __init__(self, info, copy: np.ndarray | None = None):
+        # a read-only view into the mapping, which it keeps open, or the head's copy
+        self.raw = info.data if copy is None else copy
         self.qtype, self.shape = info.qtype, info.shape
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -163,6 +170,7 @@ class CpuBackend:
         self.row_kinds: np.ndarray | None = None  # set inside `batch`: how each row is computed
         self.row_kinds_ptr: int | None = None
         self._modes: dict[int, int | None] = {}
+        self._copies: dict[tuple[int, int], np.ndarray] = {}  # huge-page copies by their source bytes
         if self.native is None and not chosen:
             # one line at start-up: which kernels, why, and what it costs
             _warn_once(f"using torch's CPU kernels: decoding is about {TORCH_DECODE_SLOWDOWN}x slower than with the native ones",
@@ -184,7 +192,10 @@ class CpuBackend:
         b = None if bias is None else self.tensor(bias)
         rows, cols = weight.shape
         if self.native is not None and self.native.spk_supports(int(weight.qtype), cols):
-            return NativeLinear(self, self.native, weight, b)
+            out = NativeLinear(self, self.native, weight, b)
+            if not out.uses_mapping:
+                self._copies[_source(weight.data)] = out.raw
+            return out
         if weight.qtype in INT4_TYPES and cols % GROUP == 0 and rows % 16 == 0:  # the pack's own constraints
             return Int4Linear(weight, b)
         return DenseLinear(weight, b)
@@ -336,7 +347,10 @@ class CpuBackend:
         return fused.fused_layer(self, spec, NativeLinear, LLAMA_SPLIT_KV)
 
     def embedding(self, weight):
-        return QuantEmbedding(weight)
+        # A table the output head reads too (tied embeddings) is looked up in the head's copy:
+        # the loader released its pages in the file's map, and lookups there would fault them
+        # back in, up to the whole table again over a long session.
+        return QuantEmbedding(weight, self._copies.get(_source(weight.data)))
 
     def tensor(self, weight) -> torch.Tensor:
         return dequantize(weight.data, weight.qtype, weight.shape)
