@@ -338,8 +338,8 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         // Decode: four weight rows at a time, but Q6_K's one at a time. Its four-row kernels
         // (removed) computed the same bits and streamed slower: in weights on 2 MiB pages, Zen 4,
         // 2 cores, alternated in one process, 1536 x 8960 33.0 -> 37.1 GB/s one at a time, the
-        // 151936 x 1536 head 28.4 -> 30.8, 256 x 1536 23.9 -> 28.4 on AVX-512; on AVX2 even,
-        // 28.5 -> 29.6, 17.5 -> 20.3 (docs/benchmarks.md, fortieth run).
+        // 151936 x 1536 head 28.4 -> 30.8, 256 x 1536 23.9 -> 28.4 on AVX-512; on AVX2 1536 x
+        // 8960 even, the head 28.5 -> 29.6, 256 x 1536 17.5 -> 20.3 (docs/benchmarks.md, fortieth run).
         if (a1 - a0 == 1 && !prompt) {
             int64_t r = qtype == T_Q4_K ? dot_q4k_few_rows<1>(W, row_bytes, r0, r1, nb, a, (int)a0, y, n) : r0;
             for (; qtype != T_Q6_K && r + 4 <= r1; r += 4) {
