@@ -1,7 +1,5 @@
 """The weights' copy in huge pages (speculant_cpu/hugepages.py): the same bytes, the same
 results, the file's pages released, and nothing copied where huge pages are off."""
-import mmap
-
 import numpy as np
 import pytest
 import torch
@@ -89,7 +87,6 @@ def test_blocks_are_marked_for_huge_pages():
                 flags = next(l for l in lines[i + 1 :] if l.startswith("VmFlags"))
                 break
     assert flags is not None and " hg" in flags
-    assert mmap.PAGESIZE <= hugepages.HUGE
 
 
 def test_tied_embedding_reads_the_heads_copy(monkeypatch):

@@ -342,7 +342,8 @@ static int linear(int qtype, const void* weights, int64_t n, int64_t k, const fl
         // 8960 even, the head 28.5 -> 29.6, 256 x 1536 17.5 -> 20.3 (docs/benchmarks.md, fortieth run).
         if (a1 - a0 == 1 && !prompt) {
             int64_t r = qtype == T_Q4_K ? dot_q4k_few_rows<1>(W, row_bytes, r0, r1, nb, a, (int)a0, y, n) : r0;
-            for (; qtype != T_Q6_K && r + 4 <= r1; r += 4) {
+            const bool b32 = qtype == T_Q8_0 || qtype == T_Q5_0 || qtype == T_Q4_0;  // the 32-value blocks' four-row kernels
+            for (; b32 && r + 4 <= r1; r += 4) {
                 const uint8_t* w4 = W + r * row_bytes;
                 float* y4 = y + a0 * n + r;
                 switch (qtype) {
