@@ -48,7 +48,10 @@ inline void run_isums(const uint8_t (*qb)[256], const int8_t* Bh, int wt0, int b
     for (int r = 0; r < R; ++r) c[r] = _mm256_setzero_si256();
     for (int u = 0; u < N; ++u) {
         const __m256i bz = _mm256_loadu_si256((const __m256i*)(Bh + 64 * (bt0 + u)));  // the half's 8 lanes of dword bt0 + u
-        for (int r = 0; r < R; ++r) c[r] = _mm256_dpbusd_avx_epi32(c[r], bcast32(qb[r] + 4 * (wt0 + u)), bz);
+        for (int r = 0; r < R; ++r) {
+            c[r] = _mm256_dpbusd_avx_epi32(c[r], bcast32(qb[r] + 4 * (wt0 + u)), bz);
+            asm("" : "+x"(c[r]));  // in order: regrouped, one row's chain ran alone (latency bound)
+        }
     }
     for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(c[r], _mm256_set1_epi32(scale[r])));
 #else
