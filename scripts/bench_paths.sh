@@ -30,6 +30,11 @@ else
   LS=
 fi
 LS2=${LLAMA_SERVER_AVX2:-}
+# On a CPU with AVX-VNNI (Intel since Alder Lake, AMD since Zen 5) the avx2 path uses it; the path
+# of AVX2 CPUs without it (AMD Zen 2-4, older Intel) runs here too as "avx2novnni"
+# (SPECULANT_ISA=avx2-novnni) against llama.cpp's AVX2 build without AVX-VNNI:
+# LLAMA_SERVER_AVX2_NOVNNI, the "AVX2 path" cmake line with -DGGML_AVX_VNNI=OFF (docs/benchmarks.md).
+LS3=${LLAMA_SERVER_AVX2_NOVNNI:-}
 [ -z "$LS$LS2" ] && { echo "set LLAMA_SERVER_AVX2 to llama.cpp's AVX2 llama-server (no AVX-512 on this CPU)" >&2; exit 2; }
 # Drafts of at most 47 tokens: with the bonus row a verification is 48 rows, three whole groups of
 # the tiled kernels (49 rows cost 416 ms against 389 after 1500 tokens on AVX-512, where 47 ran
@@ -62,11 +67,13 @@ paths=()
 grep -qw amx_tile /proc/cpuinfo && paths+=("amx:")
 [ $has_avx512 = 1 ] && paths+=("avx512:SPECULANT_AMX=0")
 [ -n "$LS2" ] && paths+=("avx2:SPECULANT_ISA=avx2")
+[ -n "$LS3" ] && paths+=("avx2novnni:SPECULANT_ISA=avx2-novnni")
 keep() { [ -z "$2" ] || [[ " $2 " == *" $1 "* ]]; }  # is $1 in the list $2 (or is the list empty)?
 kept=(); for p in "${paths[@]}"; do keep "${p%%:*}" "${PATHS:-}" && kept+=("$p"); done; paths=("${kept[@]}")
 kept=(); for c in "${configs[@]}"; do keep "${c%%:*}" "${CONFIGS:-}" && kept+=("$c"); done; configs=("${kept[@]}")
 keep avx512 "${PATHS:-}" || keep amx "${PATHS:-}" || LS=
 keep avx2 "${PATHS:-}" || LS2=
+keep avx2novnni "${PATHS:-}" || LS3=
 
 # INTERLEAVE=1: all servers of a round up at once, each request sent to every server in turn
 # (scripts/bench_interleaved.py), so a slow spell of a shared host lands on all of them.
@@ -77,6 +84,7 @@ if [ "${INTERLEAVE:-0}" = 1 ]; then
     name=${cfg%%:*}; flags=${cfg#*:}
     [ -n "$LS" ] && add llama-avx512-$name "$LS $SERVER_ARGS $flags"
     [ -n "$LS2" ] && add llama-avx2-$name "$LS2 $SERVER_ARGS $flags"
+    [ -n "$LS3" ] && add llama-avx2novnni-$name "$LS3 $SERVER_ARGS $flags"
   done
   for p in "${paths[@]}"; do
     path=${p%%:*}; envs=${p#*:}
@@ -98,6 +106,10 @@ for round in $(seq 1 "${ROUNDS:-1}"); do
     if [ -n "$LS2" ]; then
       echo "== round $round: llama.cpp avx2 $name"
       $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx2-$name -- $LS2 $SERVER_ARGS --port 8091 $flags
+    fi
+    if [ -n "$LS3" ]; then
+      echo "== round $round: llama.cpp avx2novnni $name"
+      $PY scripts/serve_bench.py $SB --url http://127.0.0.1:8091 --label llama-avx2novnni-$name -- $LS3 $SERVER_ARGS --port 8091 $flags
     fi
   done
   for p in "${paths[@]}"; do

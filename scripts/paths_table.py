@@ -52,7 +52,7 @@ def main() -> int:
     workloads = list(dict.fromkeys(w for _, w in runs))
     paths = sorted({label.split("-")[1] for label in labels if label.startswith("ours-")})
     for path in paths:
-        build = "avx2" if path == "avx2" else "avx512"  # llama.cpp has no AMX path for these types
+        build = path if path in ("avx2", "avx2novnni") else "avx512"  # llama.cpp has no AMX path for these types
         ours = [label for label in labels if label.startswith(f"ours-{path}-")]
         configs = [label for label in ours if label != f"ours-{path}-plain"]
         llama = [label for label in labels if label.startswith(f"llama-{build}-")]
