@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,20 +168,63 @@ def test_decode_prefetch_order_and_distance_leave_the_bits(qtype, w4_prefetch):
             assert torch.equal(run(raw, qtype, n, k, x[:m]), want), f"{distance} bytes ahead, {m} rows"
 
 
+def _zen5_or_later() -> bool:
+    info = Path("/proc/cpuinfo").read_text()
+    family = next((int(line.split(":")[1]) for line in info.splitlines() if line.startswith("cpu family")), 0)
+    return "AuthenticAMD" in info and family >= 0x1A
+
+
 def test_decode_prefetch_default_follows_the_cpu():
-    """The library's default prefetch (what a fresh process gets): the per-row order on AVX-512,
-    on AVX2 8 KiB ahead where the CPU has AVX-512 (a Zen 4 measured) and 4 KiB where it has not (a
-    Zen 3); SPECULANT_W4_PREFETCH overrides it."""
+    """The library's default prefetch (what a fresh process gets): on AVX-512 the per-row order,
+    or 8 KiB ahead where one-row decode takes the ymm kernel (a Zen 5 measured); on AVX2 8 KiB
+    ahead where the CPU has AVX-512 (a Zen 4 measured) and 4 KiB where it has not (a Zen 3);
+    SPECULANT_W4_PREFETCH overrides it. The ymm kernel is the AVX-512 build's default on AMD Zen 5
+    and later only; SPECULANT_W4_YMM overrides that."""
     isa = native.isa_of(lib)
     code = ("from speculant_cpu import native; lib = native.load(); "
-            "print(lib.spk_set_w4_prefetch(0))")
+            "print(lib.spk_set_w4_prefetch(0), lib.spk_set_w4_ymm(0))")
     env = {**os.environ, "SPECULANT_ISA": isa}
     env.pop("SPECULANT_W4_PREFETCH", None)
-    got = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    env.pop("SPECULANT_W4_YMM", None)
+
+    def defaults() -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        prefetch, ymm = out.split()
+        return int(prefetch), int(ymm)
+
     avx512_cpu = "avx512f" in native._cpu_flags().split()
-    assert got == (0 if isa == "avx512" else 8192 if avx512_cpu else 4096)
+    ymm = int(isa == "avx512" and _zen5_or_later())
+    assert defaults() == ((8192 if ymm else 0) if isa == "avx512" else 8192 if avx512_cpu else 4096, ymm)
+    env["SPECULANT_W4_YMM"] = "1"
+    assert defaults() == (8192 if isa == "avx512" else 8192 if avx512_cpu else 4096, 1)
+    env["SPECULANT_W4_YMM"] = "0"
     env["SPECULANT_W4_PREFETCH"] = "12288"
-    assert int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout) == 12288
+    assert defaults() == (12288, 0)
+
+
+@pytest.fixture
+def w4_ymm():
+    """Set whether the AVX-512 build's one-row Q4_K decode takes the ymm kernel (w4_ymm.h)."""
+    yield from _path_threshold(lib.spk_set_w4_ymm)
+
+
+def test_decode_ymm_kernel_leaves_the_bits(w4_ymm, w4_prefetch):
+    """The AVX-512 build's one-row Q4_K decode on the ymm kernel (reading the activations in
+    q4k_order) gives the zmm kernel's bits, with either prefetch; the AVX2 build ignores the knob.
+    Weight rows in whole groups of four and a remainder, several blocks a row."""
+    rng = np.random.default_rng(12)
+    n, k = 42, 1024
+    raw = quantize(rng.standard_normal((n, k)).astype(np.float32), Q.Q4_K)
+    x = (rng.standard_normal((1, k)) * 3).astype(np.float32)
+    w4_ymm(0)
+    w4_prefetch(0)
+    expected = run(raw, Q.Q4_K, n, k, x)
+    for distance in (0, 8192):
+        w4_prefetch(distance)
+        w4_ymm(1)
+        assert torch.equal(run(raw, Q.Q4_K, n, k, x), expected), f"ymm kernel, prefetch {distance}"
+        w4_ymm(0)
+        assert torch.equal(run(raw, Q.Q4_K, n, k, x), expected), f"zmm kernel, prefetch {distance}"
 
 
 def _path_threshold(setter):

@@ -14,6 +14,8 @@
 #include "avx2_k.h"
 #endif
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -130,9 +132,30 @@ void decode_b32_rows(const uint8_t* rows, size_t row_bytes, int nr, int nb, std:
 
 }  // namespace
 
+// AVX-512 builds: one-row Q4_K decode takes the ymm kernel (w4_ymm.h) instead of the zmm one
+// (0/1, SPECULANT_W4_YMM). Where 512-bit instructions run at full width (Zen 5), the zmm kernel
+// streamed slower: the 1.5B's products at one row, alternated, 26.6 ms on the zmm kernel with its
+// prefetch, 24.7 on the ymm one with the linear order 8 KiB ahead (docs/benchmarks.md, forty-first
+// run). On the Zen 4 the AVX-512 build's one-row forward was the faster (fortieth run), so the
+// other CPUs keep the zmm kernel until measured.
+bool zen5_or_later() {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_is("amd")) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned base = (eax >> 8) & 0xF, ext = (eax >> 20) & 0xFF;
+    return (base == 0xF ? base + ext : base) >= 0x1A;
+}
+int default_w4_ymm() {
+    if (const char* env = std::getenv("SPECULANT_W4_YMM"); env && *env) return std::atoi(env) != 0;
+    return SPK_AVX512 && zen5_or_later();
+}
+int g_w4_ymm = default_w4_ymm();
+
 // W4Prefetch's distance (unpack.h): the linear order this many bytes ahead, or 0 for the per-row
 // order; SPECULANT_W4_PREFETCH sets it. The AVX-512 kernels take the per-row order (measured on
-// Sapphire Rapids and on a Zen 4, where the linear one at 8-24 KiB is within 2% of it). The AVX2
+// Sapphire Rapids and on a Zen 4, where the linear one at 8-24 KiB is within 2% of it), but where
+// one-row decode takes the ymm kernel (g_w4_ymm), the AVX2 build's 8 KiB. The AVX2
 // kernels take the linear order, whose best distance differs by CPU: on a Zen 3 (AVX2 only) 4 KiB
 // (8 KiB ran the engine 15% slower), on a Zen 4 (AVX-512, the AVX2 build forced) 6-24 KiB, where
 // 4 KiB took the 1.5B's linear layers at one row 46 ms against 37 (scripts/bench_linear.py
@@ -140,11 +163,12 @@ void decode_b32_rows(const uint8_t* rows, size_t row_bytes, int nr, int nb, std:
 // the others 4 KiB.
 int64_t default_w4_prefetch() {
     if (const char* env = std::getenv("SPECULANT_W4_PREFETCH"); env && *env) return std::atoll(env);
-    if (!SPK_AVX2) return 0;
+    if (!SPK_AVX2) return g_w4_ymm ? 8192 : 0;  // the ymm decode kernel's distance, as in the AVX2 build
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") ? 8192 : 4096;
 }
 int64_t g_w4_prefetch_min = default_w4_prefetch();
+
 }  // namespace spk
 
 using namespace spk;
@@ -191,6 +215,13 @@ int spk_set_tiled_tail_rows(int rows) {
 
 // The four-row decode kernels' prefetch (W4Prefetch): the linear order `bytes` ahead, or 0 for the
 // per-row order; returns the old value.
+int spk_set_w4_ymm(int on) {
+    std::lock_guard<std::mutex> lock(g_call_mu);
+    const int old = g_w4_ymm;
+    g_w4_ymm = on;
+    return old;
+}
+
 int64_t spk_set_w4_prefetch(int64_t bytes) {
     std::lock_guard<std::mutex> lock(g_call_mu);
     const int64_t old = g_w4_prefetch_min;

@@ -56,6 +56,7 @@ int spk_set_tiled_min_rows(int rows);
 int spk_set_tiled_tail_rows(int rows);
 int spk_set_b32_tiled_min_rows(int rows);
 int64_t spk_set_w4_prefetch(int64_t bytes);
+int spk_set_w4_ymm(int on);
 int spk_last_path();
 
 // the screen of greedy rows' logits (screen.cpp)

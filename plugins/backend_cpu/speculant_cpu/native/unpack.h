@@ -23,17 +23,18 @@ namespace {  // internal to each file that includes it (see kernels.h)
 // the same; 3072 into L1 had made 2 and 3 rows 7% faster than 4096).
 constexpr int PREFETCH_BYTES = 6144;
 
-#if SPK_AVX2
-// acc + the int16 pairs of a times b, summed into int32 lanes (the AVX2 kernels: AVX-VNNI's
-// vpdpwssd where the build has it, vpmaddwd + vpaddd otherwise)
+// acc + the int16 pairs of a times b, summed into int32 lanes (the ymm kernels: AVX-VNNI's
+// vpdpwssd where the build has it, AVX-512 VNNI's on ymm in the AVX-512 build, vpmaddwd + vpaddd
+// otherwise)
 inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
-#if SPK_AVXVNNI
+#if SPK_AVX512
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif SPK_AVXVNNI
     return _mm256_dpwssd_avx_epi32(acc, a, b);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
-#endif
 
 inline void prefetch(const void* block, int bytes) {
     const char* p = (const char*)block + PREFETCH_BYTES;

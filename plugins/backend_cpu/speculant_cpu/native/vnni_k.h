@@ -6,6 +6,7 @@
 #include "epilogue.h"
 #include "kernels.h"
 #include "unpack.h"
+#include "w4_ymm.h"
 
 namespace spk SPK_HIDDEN {
 namespace {  // internal to each file that includes it (see kernels.h)
@@ -329,6 +330,10 @@ void dot_q4k_w4_rows(const uint8_t* row, size_t row_bytes, int nb, const Act& a,
 template <int R>
 inline int64_t dot_q4k_few_rows(const uint8_t* W, size_t row_bytes, int64_t r, int64_t r1, int nb, const Act& a, int i0,
                                 float* y, int64_t ldy) {
+    if (R == 1 && g_w4_ymm) {
+        for (; r + 4 <= r1; r += 4) dot_q4k_w4_one<Q4K_ACT_INTERLEAVED>(W + r * row_bytes, row_bytes, nb, a, i0, y + i0 * ldy + r);
+        return r;
+    }
     for (; r + 4 <= r1; r += 4) dot_q4k_w4_rows<R>(W + r * row_bytes, row_bytes, nb, a, i0, y + r, ldy);
     return r;
 }
