@@ -22,7 +22,6 @@ namespace {  // internal to each file that includes it (see kernels.h)
 
 constexpr bool Q4K_ACT_INTERLEAVED = false;
 
-
 // Lane t: the sum of the int32 lanes of v[t] (the four reduced together).
 inline __m128i hsum4(const __m128i v[4]) {
     const __m128i ab = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
@@ -307,8 +306,6 @@ void dot_q6k_one_sum(const BlockQ6K* w, int nb, const Act& a, int i0, float* y, 
         y[i * ldy] = out[i % 4];
     }
 }
-
-
 
 // Decode arithmetic, R = 2 or 3 activation rows (a one- or two-token draft's verification)
 // against two weight rows: each block's values unpacked once for all R rows, the sums' epilogue in

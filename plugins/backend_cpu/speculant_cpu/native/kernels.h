@@ -91,7 +91,6 @@ struct Act {
 constexpr int ROW_CHUNK = 16;   // weight rows per work item
 constexpr int ACT_TILE = 64;    // activation rows per work item: keeps them in L2 while weights stream
 constexpr int NR_MAX = 8;       // activation rows sharing one decode of a weight block
-extern int g_w4_ymm;  // AVX-512 builds: one-row Q4_K decode on the ymm kernel (w4_ymm.h)
 constexpr int TILED_GROUPS_MAX = 4;  // activation groups of a tiled VNNI work item: ACT_TILE / 16
 constexpr int AMX_GROUPS_MAX = 4;    // activation groups of 16 rows per AMX work item (ACT_TILE / 16)
 constexpr int PAIR_GROUPS_MAX = 8;   // activation groups of 8 rows per tiled-pairs work item (ACT_TILE / 8)

@@ -213,8 +213,8 @@ int spk_set_tiled_tail_rows(int rows) {
     return old;
 }
 
-// The four-row decode kernels' prefetch (W4Prefetch): the linear order `bytes` ahead, or 0 for the
-// per-row order; returns the old value.
+// Whether the AVX-512 build's one-row Q4_K decode takes the ymm kernel (g_w4_ymm; the AVX2 build
+// always does); returns the old value.
 int spk_set_w4_ymm(int on) {
     std::lock_guard<std::mutex> lock(g_call_mu);
     const int old = g_w4_ymm;
@@ -222,6 +222,8 @@ int spk_set_w4_ymm(int on) {
     return old;
 }
 
+// The four-row decode kernels' prefetch (W4Prefetch): the linear order `bytes` ahead, or 0 for the
+// per-row order; returns the old value.
 int64_t spk_set_w4_prefetch(int64_t bytes) {
     std::lock_guard<std::mutex> lock(g_call_mu);
     const int64_t old = g_w4_prefetch_min;

@@ -13,6 +13,8 @@
 namespace spk SPK_HIDDEN {
 // The four-row decode kernels' prefetch distance (W4Prefetch; linear.cpp, spk_set_w4_prefetch).
 extern int64_t g_w4_prefetch_min;
+// AVX-512 builds: one-row Q4_K decode on the ymm kernel (w4_ymm.h; linear.cpp, spk_set_w4_ymm).
+extern int g_w4_ymm;
 
 namespace {  // internal to each file that includes it (see kernels.h)
 

@@ -12,6 +12,7 @@ namespace {  // internal to each file that includes it (see kernels.h)
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
+// Lane t: the sum of the int32 lanes of v[t] (the four reduced together).
 inline __m128i hsum4(const __m256i v[4]) {
     const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
     const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
