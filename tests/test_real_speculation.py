@@ -84,3 +84,25 @@ def test_spec_type_reproduces_plain_decoding(spec_type, workload):
         assert seq.stats.n_accepted > 0
         first = spec_type.split(",")[0]
         assert engine.spec_stats[first].drafts > 0, f"{first} drafted nothing"
+
+
+def test_copy_edits_drafts_the_next_records_of_a_table():
+    """extract-table's answer writes the prompt's JSON records as Markdown rows: from its third
+    row copy-edits drafts the next rows, values from the prompt (speculant_edits.records), and the
+    tokens are plain decoding's."""
+    model = load_cached(TARGET)
+    p, n = prompt("extract-table"), 96
+
+    def generate(speculators):
+        engine = Engine(model, EngineConfig(n_ctx=2048, draft_n_max=16, adaptive=False), speculators)
+        seq = engine.add(p, n)
+        while seq.finish_reason is None:
+            engine.step()
+        engine.release(seq)
+        return engine, seq.tokens[seq.n_prompt:]
+
+    _, plain = generate([])
+    engine, spec = generate(build_speculators(["copy-edits"], {}, target=model))
+    assert spec == plain
+    stats = engine.spec_stats["copy-edits"]
+    assert stats.drafts > 0 and stats.accepted >= 40, stats  # rows 2-4 (47 of 96 tokens here)

@@ -9,6 +9,11 @@ records each change, and where a recorded change applies within the next n_max t
 copy, drafts the copy with it made. Elsewhere it drafts nothing, so put it first in a chain of
 copying speculators: `--spec-type copy-edits,suffix`; with `--spec-copy-edits-copies` it drafts
 the plain copy there too (alone, a copying speculator of its own).
+
+Where the answer is not copying, and its last two lines are the prompt's records written again in
+another layout (a Markdown row per JSON object), it drafts the next lines the same way, each
+record's values from the prompt (speculant_edits.records; `--spec-copy-edits-no-records` leaves
+that out).
 """
 from __future__ import annotations
 
@@ -16,8 +21,62 @@ from speculant import Draft, DraftLimits, SequenceView, SpeculantError, hookimpl
 from speculant.speculator import SpeculatorConfig
 
 from speculant_edits.alignment import RESYNC, Alignment, Edit, EditBook
+from speculant_edits.records import Template
 
-__all__ = ["Alignment", "CopyEdits", "Edit", "EditBook"]
+__all__ = ["Alignment", "CopyEdits", "Edit", "EditBook", "RecordLines", "Template"]
+
+RECORD_CHARS_PER_TOKEN = 8  # the record text written for a draft of n tokens: 8n characters, enough
+
+
+class RecordLines:
+    """One sequence's text for the records drafts: the prompt's, once, and the last template."""
+
+    def __init__(self, tokenizer, prompt: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.prompt = prompt
+        self.prompt_text = tokenizer.decode(prompt)
+        self._learned: tuple[str, str, Template | None] | None = None
+
+    def template(self, before: str, last: str) -> Template | None:
+        if self._learned is None or self._learned[:2] != (before, last):
+            self._learned = (before, last, Template.learn(before, last, self.prompt_text))
+        return self._learned[2]
+
+    def draft(self, answer: tuple[int, ...], n_max: int) -> tuple[int, ...] | None:
+        tok = self.tokenizer
+        # the answer's last lines, from a token that starts one (pre-tokenizers split at newlines)
+        tail, k = b"", len(answer)
+        while k > 0 and tail.count(b"\n") < 3:
+            k -= 1
+            tail = tok.token_bytes(answer[k]) + tail
+        text = tail.decode("utf-8", errors="replace")
+        if "\ufffd" in text or text.count("\n") < 2:
+            return None
+        lines = text.split("\n")
+        t = self.template(lines[-3], lines[-2])
+        if t is None:
+            return None
+        ahead = t.text(self.prompt_text, RECORD_CHARS_PER_TOKEN * n_max)
+        current = lines[-1]
+        if len(ahead) <= len(current) or not ahead.startswith(current):
+            return None
+        # The draft's tokens as the model writes them: the current line tokenized with its
+        # continuation, where that gives the line's own tokens back; else the continuation alone.
+        start = len(answer)
+        line_bytes = b""
+        while start > k and not line_bytes.count(b"\n"):
+            start -= 1
+            line_bytes = tok.token_bytes(answer[start]) + line_bytes
+        if b"\n" in line_bytes:  # the line's first token holds the newline before it: from the next one
+            start += 1
+            line_bytes = line_bytes[len(tok.token_bytes(answer[start - 1])):]
+        own = answer[start:]
+        whole = tok.encode(line_bytes.decode("utf-8", errors="replace") + ahead[len(current):], add_special=False, parse_special=False)
+        if tuple(whole[: len(own)]) == own:
+            tokens = whole[len(own):]
+        else:
+            tokens = tok.encode(ahead[len(current):], add_special=False, parse_special=False)
+        return tuple(tokens[:n_max]) or None
 
 
 class CopyEdits:
@@ -30,6 +89,9 @@ class CopyEdits:
     def __init__(self, config: SpeculatorConfig):
         self.alignments: dict[int, Alignment] = {}
         self.copies = bool(config.option("spec_copy_edits_copies", False))
+        self.tokenizer = getattr(config.target, "tokenizer", None)
+        self.records = self.tokenizer is not None and not config.option("spec_copy_edits_no_records", False)
+        self.record_lines: dict[int, RecordLines] = {}
         self.resync = config.option("spec_copy_edits_resync", RESYNC)
         if isinstance(self.resync, bool) or not isinstance(self.resync, int) or not 1 <= self.resync <= 64:
             raise SpeculantError(f"--spec-copy-edits-resync must be an integer in [1, 64], got {self.resync!r}")
@@ -43,6 +105,7 @@ class CopyEdits:
     @hookimpl
     def begin(self, seq: SequenceView) -> None:
         self.alignments.pop(seq.seq_id, None)
+        self.record_lines.pop(seq.seq_id, None)
 
     @hookimpl
     def truncate(self, seq: SequenceView, n: int) -> None:
@@ -51,6 +114,7 @@ class CopyEdits:
     @hookimpl
     def end(self, seq_id: int) -> None:
         self.alignments.pop(seq_id, None)
+        self.record_lines.pop(seq_id, None)
 
     @hookimpl
     def propose(self, seq: SequenceView, limits: DraftLimits) -> Draft | None:
@@ -59,7 +123,16 @@ class CopyEdits:
         a = self._alignment(seq)
         a.take(seq.tokens[seq.n_prompt :])
         tokens = a.draft(limits.n_max, copies=self.copies)
+        if not tokens and self.records and not a.copying:
+            tokens = self._records(seq).draft(seq.tokens[seq.n_prompt :], limits.n_max)
         return Draft(tokens, self.spec_type) if tokens else None
+
+    def _records(self, seq: SequenceView) -> RecordLines:
+        r = self.record_lines.get(seq.seq_id)
+        prompt = seq.tokens[: seq.n_prompt]
+        if r is None or r.prompt != prompt:
+            r = self.record_lines[seq.seq_id] = RecordLines(self.tokenizer, prompt)
+        return r
 
 
 @hookimpl
@@ -71,5 +144,8 @@ def speculant_register_speculators(register):
 def speculant_add_options(parser):
     parser.add_argument("--spec-copy-edits-copies", action="store_true", default=None,
                         help="copy-edits: draft the copy where no recorded edit applies too (default: only where one does)")
+    parser.add_argument("--spec-copy-edits-no-records", action="store_true", default=None,
+                        help="copy-edits: no drafts of the next lines where the answer writes the prompt's records again "
+                             "in another layout (default: drafted)")
     parser.add_argument("--spec-copy-edits-resync", type=int_in(1, 64), default=None, metavar="N",
                         help=f"copy-edits: tokens the answer must copy in a row to be copying again after a change (default {RESYNC})")
