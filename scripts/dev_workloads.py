@@ -11,6 +11,9 @@ for a whole-file edit), other modules:
 ask, a table from local package metadata), where drafters on hidden states, not copying, are
 what speeds decoding up; for checking a head, never trained on (speculant.distill's requests
 are built otherwise). `--many` adds ten more edits of other modules to the default two.
+`--records` gives answers that write records from the prompt again in another layout (a Markdown
+table, a YAML list, a Python dict, CSV from local package and module metadata), where
+copy-edits' records drafts apply.
 """
 from __future__ import annotations
 
@@ -66,6 +69,33 @@ def free_workloads(max_tokens: int = 256) -> list[dict]:
     return out
 
 
+def module_rows(names=("colorsys", "fnmatch", "glob", "shelve", "sched", "stat", "reprlib", "graphlib", "getopt",
+                        "linecache", "copyreg", "genericpath", "bisect", "heapq", "textwrap", "difflib")) -> list[dict]:
+    """Module name, its file's size in lines and its docstring's first line, for standard modules."""
+    out = []
+    for name in names:
+        m = importlib.import_module(name)
+        doc = ((m.__doc__ or "").strip().splitlines() or [""])[0]
+        out.append({"module": name, "lines": len(Path(m.__file__).read_text().splitlines()), "doc": doc[:80]})
+    return out
+
+
+def records_workloads(max_tokens: int = 384) -> list[dict]:
+    packages, modules = json.dumps(package_rows(16)), json.dumps(module_rows())
+    asks = [
+        ("dev-records-packages-table", "Write these packages as a Markdown table with columns package, version and what "
+         "it does, one row per package, in this order:\n" + packages),
+        ("dev-records-packages-yaml", "Write these packages as a YAML list, each item with the keys name, version and "
+         "summary, in this order:\n" + packages),
+        ("dev-records-modules-dict", "Write a Python dict literal MODULE_LINES mapping each module name to its number of "
+         "lines, in this order:\n" + modules),
+        ("dev-records-modules-csv", "Write these modules as CSV with the header module,lines,doc and one row per "
+         "module, in this order:\n" + modules),
+    ]
+    return [{"name": name, "kind": "grounded", "max_tokens": max_tokens, "messages": [{"role": "user", "content": ask}]}
+            for name, ask in asks]
+
+
 def workloads(max_tokens: int = 384, many: bool = False) -> list[dict]:
     out = []
     for name, module, ask in TASKS + (MORE_TASKS if many else []):
@@ -77,9 +107,11 @@ def workloads(max_tokens: int = 384, many: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a not in ("--free", "--many")]
+    args = [a for a in sys.argv[1:] if a not in ("--free", "--many", "--records")]
     if "--free" in sys.argv[1:]:
         made = free_workloads(*map(int, args))
+    elif "--records" in sys.argv[1:]:
+        made = records_workloads(*map(int, args))
     else:
         made = workloads(*map(int, args), many="--many" in sys.argv[1:])
     json.dump(made, sys.stdout, indent=1)

@@ -1,22 +1,25 @@
-"""The prompt's records written again in another layout, one a line: the next lines drafted.
+"""The prompt's records written again in another layout: the next records drafted.
 
-Asked to turn the prompt's records into a table, a CSV or a list (JSON objects into Markdown
-rows, say), an answer writes a line per record: the same text around each record's values, the
-values copied from the prompt, one record after the other. A copying speculator drafts the text
-around the values but not the values (the previous line's are wrong, the prompt's copy goes on
-in the prompt's layout), and copy-edits' alignment loses the copy at every value, so each line
-took several short drafts (extract-table: about 2 tokens a step).
+Asked to turn the prompt's records into a table, a CSV, a YAML list or code (JSON objects into
+Markdown rows, say), an answer writes each record the same way: the same text around its values,
+the values copied from the prompt, one record after the other. A copying speculator drafts the
+text around the values but not the values (the previous record's are wrong, the prompt's copy
+goes on in the prompt's layout), and copy-edits' alignment loses the copy at every value, so each
+record took several short drafts (extract-table: about 2 tokens a step).
 
-`Template.learn` compares the answer's last two complete lines: split into runs of word and
-other characters, they must have the same runs but for some words (the fields). It finds where
-in the prompt each line's values come from (the previous line's nearest after the one before's)
-and, for each field, the prompt text just before its value in both records (its context: `"name":
-"` in JSON). `Template.text` then writes the following lines: the same runs, each field's value
-the word that follows its context's next occurrence in the prompt, record after record. Where a
-context does not come again, or a line's values are not the prompt's, nothing is drafted.
+`Template.learn` compares the answer's last two records (a record: one line or a few). The last
+one's values are the longest pieces from a word's start that the prompt holds (`project-7`,
+`Fast JSON parser`); the rest is literal text, which the record before must have around its own
+values, and values the same in both are literal too. It finds where in the prompt each record's
+values come from (the last record's nearest after the one before's) and, for each field, the
+prompt text just before its value in both records (its context: `"name": "` in JSON) and just
+after (its end: `"`). `Template.text` then writes the following records: the same literal text,
+each field's value the prompt's text from its context's next occurrence to its end, record after
+record. Where a context does not come again, or a record's values are not the prompt's,
+nothing is drafted.
 
 This works on text, not tokens: a value is often a different token in the answer than in the
-prompt (` Go` after `| `, `Go` after `"`). The draft is the text tokenized (copy_edits.py).
+prompt (` Go` after `| `, `Go` after `"`). The draft is the text tokenized (copy-edits does that).
 """
 from __future__ import annotations
 
@@ -24,43 +27,40 @@ import re
 
 import attrs
 
-WORD = re.compile(r"\w+(?:[-.]\w+)*")  # a value: `project-7`, `1.5`, `Go`
-RUN = re.compile(r"\w+(?:[-.]\w+)*|\W+|[-.]")
+WORD = re.compile(r"\w+(?:[-.]\w+)*")  # a word: `project-7`, `1.5`, `Go`
 MAX_CONTEXT = 32  # characters of prompt text before a value that say which field it is
-MAX_STARTS = 256  # occurrences of a first value tried when placing a line's values
+MAX_END = 8  # characters of prompt text after a value that end it
+MAX_VALUE = 256  # a value runs no longer than this (else its end was not found where it should be)
+MAX_STARTS = 256  # occurrences of a first value tried when placing a record's values
 
 
-def runs(line: str) -> list[str]:
-    return RUN.findall(line)
+def _wordy(c: str) -> bool:
+    return c.isalnum() or c == "_"
 
 
-def word_start(text: str, i: int) -> bool:
-    """Whether a word that starts at text[i] is whole there (not the tail of a longer one)."""
-    if i == 0:
-        return True
-    before = text[i - 1]
-    if before.isalnum() or before == "_":
-        return False
-    return not (before in "-." and i >= 2 and (text[i - 2].isalnum() or text[i - 2] == "_"))
+def whole_at(text: str, value: str, i: int) -> bool:
+    """Whether `value` at text[i] is not a piece of a longer word on either side."""
+    if _wordy(value[0]) and i > 0:
+        before = text[i - 1]
+        if _wordy(before) or (before in "-." and i >= 2 and _wordy(text[i - 2])):
+            return False
+    j = i + len(value)
+    return not (_wordy(value[-1]) and j < len(text) and _wordy(text[j]))
 
 
-def find_word(text: str, word: str, start: int, end: int | None = None) -> int:
-    """The first position >= start where `word` stands whole in text, or -1."""
-    end = len(text) if end is None else end
-    i = text.find(word, start, end)
-    while i >= 0:
-        m = WORD.match(text, i)
-        if m is not None and m.end() == i + len(word) and word_start(text, i):
-            return i
-        i = text.find(word, i + 1, end)
-    return -1
+def find_value(text: str, value: str, start: int) -> int:
+    """The first position >= start where `value` stands whole in text, or -1."""
+    i = text.find(value, start)
+    while i >= 0 and not whole_at(text, value, i):
+        i = text.find(value, i + 1)
+    return i
 
 
 def place(text: str, values: list[str], start: int) -> list[int] | None:
     """Where the values stand in text in order, each the first after the one before, from start."""
     out, pos = [], start
     for v in values:
-        i = find_word(text, v, pos)
+        i = find_value(text, v, pos)
         if i < 0:
             return None
         out.append(i)
@@ -70,14 +70,14 @@ def place(text: str, values: list[str], start: int) -> list[int] | None:
 
 def place_compact(text: str, values: list[str]) -> list[int] | None:
     """The placement of the values that spans the least text (a record's fields lie together)."""
-    best, best_span, i, tried = None, None, find_word(text, values[0], 0), 0
+    best, best_span, i, tried = None, None, find_value(text, values[0], 0), 0
     while i >= 0 and tried < MAX_STARTS:
         rest = place(text, values[1:], i + len(values[0]))
         if rest is not None:
             span = (rest[-1] + len(values[-1]) if rest else i + len(values[0])) - i
             if best_span is None or span < best_span:
                 best, best_span = [i, *rest], span
-        i = find_word(text, values[0], i + 1)
+        i = find_value(text, values[0], i + 1)
         tried += 1
     return best
 
@@ -89,65 +89,161 @@ def common_suffix(a: str, b: str, limit: int) -> str:
     return a[len(a) - n :]
 
 
+def common_prefix(a: str, b: str, limit: int) -> str:
+    n = 0
+    while n < limit and n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def longest_in(prompt: str, text: str, i: int) -> int:
+    """The length of the longest piece of text from i that stands in the prompt (up to MAX_VALUE
+    characters, no newline)."""
+    hi = min(len(text) - i, MAX_VALUE)
+    nl = text.find("\n", i, i + hi)
+    if nl >= 0:
+        hi = nl - i
+    lo = 0
+    while lo < hi:  # the longest m with text[i:i + m] in the prompt (any shorter one is too)
+        m = (lo + hi + 1) // 2
+        if prompt.find(text[i : i + m]) >= 0:
+            lo = m
+        else:
+            hi = m - 1
+    return lo
+
+
+def segment(last: str, prompt: str) -> list[str | None]:
+    """`last` as literal text (str) and values (None, each followed by its text): a value starts
+    at a word's start and is the longest piece from there that the prompt holds, ending where a
+    word does; the rest is literal."""
+    out: list[str | None] = []
+    lit, i = [], 0
+    while i < len(last):
+        if _wordy(last[i]) and (i == 0 or not _wordy(last[i - 1])):
+            m = longest_in(prompt, last, i)
+            while m > 0 and i + m < len(last) and _wordy(last[i + m - 1]) and _wordy(last[i + m]):
+                m -= 1  # not a piece of a word
+            while m > 0 and last[i + m - 1].isspace():
+                m -= 1  # nor the space after it (the prompt's `C is` is not `C |`'s)
+            if i + m < len(last) and _wordy(last[i + m]):
+                while m > 0 and not _wordy(last[i + m - 1]):
+                    m -= 1  # a word follows: what stands between is literal (`185,Filename`: the `,`)
+            if m > 0:
+                out.extend(["".join(lit), None, last[i : i + m]])
+                lit, i = [], i + m
+                continue
+        lit.append(last[i])
+        i += 1
+    out.append("".join(lit))
+    return out
+
+
+def fields(before: str, last: str, prompt: str) -> tuple[list[str | int], list[str], list[str]] | None:
+    """`last` as its literal text and fields (their index), each field's value in `before` and in
+    `last`: the values are what `last` has from the prompt (segment), and `before` must be the same
+    literal text around other values. None where it is not, or where no value differs."""
+    seg = segment(last, prompt)
+    literals = seg[0::3]  # literal, None, value, literal, None, value, ..., literal
+    values = seg[2::3]
+    if not values or any(lit == "" for lit in literals[1:-1]) or not before.startswith(literals[0]):
+        return None
+    old, pos = [], len(literals[0])
+    for lit in literals[1:-1]:
+        j = before.find(lit, pos + 1)
+        if j < 0:
+            return None
+        old.append(before[pos:j])
+        pos = j + len(lit)
+    tail = literals[-1]
+    if len(before) - len(tail) <= pos or not before.endswith(tail):
+        return None
+    old.append(before[pos : len(before) - len(tail)])
+    parts: list[str | int] = [literals[0]]
+    fold_old: list[str] = []
+    fold_new: list[str] = []
+    for a, b, lit in zip(old, values, literals[1:]):
+        if "\n" in a or not WORD.search(a):
+            return None
+        if a == b:  # the same in both records: literal text
+            parts[-1] += b + lit
+            continue
+        parts.append(len(fold_new))
+        parts.append(lit)
+        fold_old.append(a)
+        fold_new.append(b)
+    return (parts, fold_old, fold_new) if fold_new else None
+
+
 @attrs.frozen
 class Template:
-    """A line's runs, fields as their index (int), and each field's context in the prompt;
-    `cursor`: where in the prompt the last learned line's values end (the next record's follow)."""
+    """A record's literal text and fields (their index), each field's context and end in the prompt;
+    `cursor`: where in the prompt the last learned record's values end (the next record's follow)."""
 
     parts: tuple[str | int, ...]
     contexts: tuple[str, ...]
+    ends: tuple[str, ...]  # "" where the values' ends differ: the value is then a word
     cursor: int
 
     @classmethod
     def learn(cls, before: str, last: str, prompt: str) -> "Template | None":
-        """The template of `last` given the line `before` it, or None where they differ in more
-        than words, or their values are not the prompt's records."""
-        r0, r1 = runs(before), runs(last)
-        if len(r0) != len(r1) or not r1:
+        """The template of the record `last` given the record `before` it, or None where they
+        differ other than in fields, or their values are not the prompt's records."""
+        found = fields(before, last, prompt)
+        if found is None:
             return None
-        parts: list[str | int] = []
-        old: list[str] = []
-        new: list[str] = []
-        for a, b in zip(r0, r1):
-            if a == b:
-                parts.append(b)
-            elif WORD.fullmatch(a) and WORD.fullmatch(b):
-                parts.append(len(new))
-                old.append(a)
-                new.append(b)
-            else:
-                return None
-        if not new:
-            return None
+        parts, old, new = found
         at0 = place_compact(prompt, old)
         if at0 is None:
             return None
         at1 = place(prompt, new, at0[-1] + len(old[-1]))
         if at1 is None:
             return None
-        contexts = tuple(common_suffix(prompt[:i], prompt[:j], MAX_CONTEXT) for i, j in zip(at0, at1))
+        # a context reaches back no further than the value before it in either record (it is
+        # looked for from where that value ends)
+        gap = [MAX_CONTEXT] + [min(at0[f] - at0[f - 1] - len(old[f - 1]), at1[f] - at1[f - 1] - len(new[f - 1]))
+                               for f in range(1, len(new))]
+        contexts = tuple(common_suffix(prompt[:i], prompt[:j], min(g, MAX_CONTEXT)) for i, j, g in zip(at0, at1, gap))
         if not all(contexts):
             return None
-        return cls(tuple(parts), contexts, at1[-1] + len(new[-1]))
+        ends = tuple(common_prefix(prompt[i + len(o) :], prompt[j + len(n) :], MAX_END) for i, j, o, n in zip(at0, at1, old, new))
+        return cls(tuple(parts), contexts, ends, at1[-1] + len(new[-1]))
+
+    def value(self, prompt: str, field: int, cursor: int) -> tuple[str, int] | None:
+        """The field's next value in the prompt from cursor, and where it ends."""
+        ctx = self.contexts[field]
+        i = prompt.find(ctx, cursor)
+        if i < 0:
+            return None
+        start = i + len(ctx)
+        end = self.ends[field]
+        if end:
+            # the end as it came in both records, or the longest start of it found (the last
+            # record ends the list: `"\n"` where a next record followed is `"\n` there)
+            for n in range(len(end), 0, -1):
+                j = prompt.find(end[:n], start, start + MAX_VALUE + n)
+                if j > start and "\n" not in prompt[start:j]:
+                    return prompt[start:j], j
+            return None
+        m = WORD.match(prompt, start)
+        return (m.group(), m.end()) if m else None
 
     def text(self, prompt: str, n_chars: int) -> str:
-        """The lines after the learned one, each ended by a newline, until n_chars are written or
-        a field's context does not come again (then up to that field)."""
+        """The records after the learned one, each ended by a newline, until n_chars are written
+        or a field's context does not come again (then up to that field)."""
         out: list[str] = []
         written, cursor = 0, self.cursor
         while written < n_chars:
-            line: list[str] = []
+            record: list[str] = []
             for part in self.parts:
                 if isinstance(part, str):
-                    line.append(part)
+                    record.append(part)
                     continue
-                ctx = self.contexts[part]
-                i = prompt.find(ctx, cursor)
-                m = WORD.match(prompt, i + len(ctx)) if i >= 0 else None
-                if m is None:
-                    return "".join(out) + "".join(line)
-                line.append(m.group())
-                cursor = m.end()
-            out.append("".join(line) + "\n")
+                found = self.value(prompt, part, cursor)
+                if found is None:
+                    return "".join(out) + "".join(record)
+                record.append(found[0])
+                cursor = found[1]
+            out.append("".join(record) + "\n")
             written += len(out[-1])
         return "".join(out)
