@@ -21,84 +21,9 @@ from speculant import Draft, DraftLimits, SequenceView, SpeculantError, hookimpl
 from speculant.speculator import SpeculatorConfig
 
 from speculant_edits.alignment import RESYNC, Alignment, Edit, EditBook
-from speculant_edits.records import Template
+from speculant_edits.records import RecordLines, Template
 
 __all__ = ["Alignment", "CopyEdits", "Edit", "EditBook", "RecordLines", "Template"]
-
-RECORD_CHARS_PER_TOKEN = 8  # the record text written for a draft of n tokens: 8n characters, enough
-MAX_RECORD_LINES = 4  # records of up to this many lines (a YAML item, a small object)
-LEARNED_KEPT = 64  # templates kept per sequence (a record's lines are tried at every step)
-
-
-class RecordLines:
-    """One sequence's records drafts: the prompt's text (once) and the templates learned."""
-
-    def __init__(self, tokenizer, prompt: tuple[int, ...]):
-        self.tokenizer = tokenizer
-        self.prompt = prompt
-        self.prompt_text = tokenizer.decode(prompt)
-        self._learned: dict[tuple[str, str], Template | None] = {}
-
-    def template(self, before: str, last: str) -> Template | None:
-        key = (before, last)
-        if key not in self._learned:
-            if len(self._learned) >= LEARNED_KEPT:
-                self._learned.clear()
-            self._learned[key] = Template.learn(before, last, self.prompt_text)
-        return self._learned[key]
-
-    def ahead(self, lines: list[str], complete_first: bool) -> tuple[str, str] | None:
-        """(the current record written so far, the text from there that the template of the last
-        two records writes), for the first record length (1.. lines) and place in the current
-        record whose template the current record so far follows."""
-        n = len(lines) - 1  # complete lines
-        usable = n if complete_first else n - 1  # a first line cut by the tail is not one
-        for k in range(1, MAX_RECORD_LINES + 1):
-            for p in range(k):  # complete lines of the current record written
-                if 2 * k + p > usable:
-                    break
-                cut = len(lines) - 1 - p
-                t = self.template("\n".join(lines[cut - 2 * k : cut - k]), "\n".join(lines[cut - k : cut]))
-                if t is None:
-                    continue
-                current = "\n".join(lines[cut:])
-                text = t.text(self.prompt_text, RECORD_CHARS_PER_TOKEN * 64 + len(current))
-                if len(text) > len(current) and text.startswith(current):
-                    return current, text
-        return None
-
-    def draft(self, answer: tuple[int, ...], n_max: int) -> tuple[int, ...] | None:
-        tok = self.tokenizer
-        # the answer's last lines: enough for two records of MAX_RECORD_LINES and the current one
-        want = 3 * MAX_RECORD_LINES
-        tail, k = b"", len(answer)
-        while k > 0 and tail.count(b"\n") < want:
-            k -= 1
-            tail = tok.token_bytes(answer[k]) + tail
-        text = tail.decode("utf-8", errors="replace")
-        if "\ufffd" in text or "\n" not in text:
-            return None
-        found = self.ahead(text.split("\n"), complete_first=k == 0)
-        if found is None:
-            return None
-        current, ahead = found
-        rest = ahead[len(current) :][: RECORD_CHARS_PER_TOKEN * n_max]
-        # The draft's tokens as the model writes them: the current line tokenized with its
-        # continuation, where that gives the line's own tokens back; else the continuation alone.
-        start, line_bytes = len(answer), b""
-        while start > k and b"\n" not in line_bytes:
-            start -= 1
-            line_bytes = tok.token_bytes(answer[start]) + line_bytes
-        if b"\n" in line_bytes:  # the line's first token holds the newline before it: from the next one
-            start += 1
-            line_bytes = line_bytes[len(tok.token_bytes(answer[start - 1])) :]
-        own = answer[start:]
-        whole = tok.encode(line_bytes.decode("utf-8", errors="replace") + rest, add_special=False, parse_special=False)
-        if tuple(whole[: len(own)]) == own:
-            tokens = whole[len(own) :]
-        else:
-            tokens = tok.encode(rest, add_special=False, parse_special=False)
-        return tuple(tokens[:n_max]) or None
 
 
 class CopyEdits:
