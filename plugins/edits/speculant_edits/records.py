@@ -271,9 +271,10 @@ class RecordLines:
         return self._learned[key]
 
     def ahead(self, lines: list[str], complete_first: bool) -> tuple[str, str] | None:
-        """(the current record written so far, the text from there that the template of the last
-        two records writes), for the first record length (1.. lines) and place in the current
-        record whose template the current record so far follows."""
+        """(the current record written so far, the text from its start that the template of the
+        last two records writes), trying records of 1 to MAX_RECORD_LINES lines and each line of
+        the current record as the place reached in it: the first template the current record so
+        far follows. `lines`: the answer's last lines, the last one unfinished."""
         n = len(lines) - 1  # complete lines
         usable = n if complete_first else n - 1  # a first line cut by the tail is not one
         for k in range(1, MAX_RECORD_LINES + 1):
@@ -294,14 +295,14 @@ class RecordLines:
         tok = self.tokenizer
         # the answer's last lines: enough for two records of MAX_RECORD_LINES and the current one
         want = 3 * MAX_RECORD_LINES
-        tail, k = b"", len(answer)
-        while k > 0 and tail.count(b"\n") < want:
-            k -= 1
-            tail = tok.token_bytes(answer[k]) + tail
+        tail, first = b"", len(answer)
+        while first > 0 and tail.count(b"\n") < want:
+            first -= 1
+            tail = tok.token_bytes(answer[first]) + tail
         text = tail.decode("utf-8", errors="replace")
         if "\ufffd" in text or "\n" not in text:
             return None
-        found = self.ahead(text.split("\n"), complete_first=k == 0)
+        found = self.ahead(text.split("\n"), complete_first=first == 0)
         if found is None:
             return None
         current, ahead = found
@@ -309,7 +310,7 @@ class RecordLines:
         # The draft's tokens as the model writes them: the current line tokenized with its
         # continuation, where that gives the line's own tokens back; else the continuation alone.
         start, line_bytes = len(answer), b""
-        while start > k and b"\n" not in line_bytes:
+        while start > first and b"\n" not in line_bytes:
             start -= 1
             line_bytes = tok.token_bytes(answer[start]) + line_bytes
         if b"\n" in line_bytes:  # the line's first token holds the newline before it: from the next one
