@@ -1,5 +1,5 @@
-"""copy-edits' records: an answer that writes the prompt's records again, a line each, in another
-layout gets its next lines drafted, each record's values from the prompt."""
+"""copy-edits' records: an answer that writes the prompt's records again in another layout (a line
+each, or a few) gets its next records drafted, each record's values from the prompt."""
 from __future__ import annotations
 
 import json
@@ -37,7 +37,7 @@ def test_a_value_is_found_in_its_record_not_where_it_stands_first():
 
 
 def test_lines_that_are_not_the_prompts_records_give_no_template():
-    assert Template.learn("| name | lang | stars |", "|------|------|-------|", PROMPT) is None  # other runs
+    assert Template.learn("| name | lang | stars |", "|------|------|-------|", PROMPT) is None  # other literal text
     assert Template.learn(ROWS[0], ROWS[0], PROMPT) is None  # no field
     assert Template.learn("| tool-0 | C | 9 |", "| tool-1 | Go | 8 |", PROMPT) is None  # 9, 8: not the prompt's
     assert Template.learn("x = 1", "y = 2", PROMPT) is None
