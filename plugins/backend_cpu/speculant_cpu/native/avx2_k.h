@@ -22,13 +22,6 @@ namespace {  // internal to each file that includes it (see kernels.h)
 
 constexpr bool Q4K_ACT_INTERLEAVED = false;
 
-// Lane t: the sum of the int32 lanes of v[t] (the four reduced together).
-inline __m128i hsum4(const __m128i v[4]) {
-    const __m128i ab = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
-    const __m128i cd = _mm_add_epi32(_mm_unpacklo_epi32(v[2], v[3]), _mm_unpackhi_epi32(v[2], v[3]));
-    return _mm_add_epi32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
-}
-
 // pshufb controls. Q4_K: every int16 lane of ymm j <- byte j, zero-extended (sub-block scale j
 // from a block's [sc0..sc7, mn0..mn7] in both 128-bit lanes). Q6_K (on the 16 scale bytes):
 // bytes 0-7 <- scale 2k, 8-15 <- scale 2k+1, for ymm k's two 16-value groups.

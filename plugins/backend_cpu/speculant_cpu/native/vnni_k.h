@@ -25,11 +25,6 @@ inline __m128i hsum4(const __m512i v[4]) {
     const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
     return fold512(_mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd)));
 }
-inline __m128i hsum4(const __m128i v[4]) {
-    const __m128i ab = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
-    const __m128i cd = _mm_add_epi32(_mm_unpacklo_epi32(v[2], v[3]), _mm_unpackhi_epi32(v[2], v[3]));
-    return _mm_add_epi32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
-}
 
 // The integer core shared by the Q4_K/Q6_K VNNI kernels: four zmm of unsigned weight values
 // times four zmm of activations, pairs summed and weighted by their int16 scales into int32 lanes.

@@ -12,7 +12,13 @@ namespace {  // internal to each file that includes it (see kernels.h)
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
-// Lane t: the sum of the int32 lanes of v[t] (the four reduced together).
+// Lane t: the sum of the int32 lanes of v[t] (the four reduced together), for four xmm or four ymm
+// (vnni_k.h has the zmm one).
+inline __m128i hsum4(const __m128i v[4]) {
+    const __m128i ab = _mm_add_epi32(_mm_unpacklo_epi32(v[0], v[1]), _mm_unpackhi_epi32(v[0], v[1]));
+    const __m128i cd = _mm_add_epi32(_mm_unpacklo_epi32(v[2], v[3]), _mm_unpackhi_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
+}
 inline __m128i hsum4(const __m256i v[4]) {
     const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
     const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
