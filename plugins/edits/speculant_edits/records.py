@@ -293,13 +293,16 @@ class RecordLines:
 
     def draft(self, answer: tuple[int, ...], n_max: int) -> tuple[int, ...] | None:
         tok = self.tokenizer
-        # the answer's last lines: enough for two records of MAX_RECORD_LINES and the current one
-        want = 3 * MAX_RECORD_LINES
-        tail, first = b"", len(answer)
-        while first > 0 and tail.count(b"\n") < want:
+        # the answer's last lines, each token's bytes: enough for two records of MAX_RECORD_LINES
+        # and the current one
+        pieces: list[bytes] = []
+        first, newlines = len(answer), 0
+        while first > 0 and newlines < 3 * MAX_RECORD_LINES:
             first -= 1
-            tail = tok.token_bytes(answer[first]) + tail
-        text = tail.decode("utf-8", errors="replace")
+            pieces.append(tok.token_bytes(answer[first]))
+            newlines += pieces[-1].count(b"\n")
+        pieces.reverse()
+        text = b"".join(pieces).decode("utf-8", errors="replace")
         if "\ufffd" in text or "\n" not in text:
             return None
         found = self.ahead(text.split("\n"), complete_first=first == 0)
@@ -307,17 +310,13 @@ class RecordLines:
             return None
         current, ahead = found
         rest = ahead[len(current) :][: RECORD_CHARS_PER_TOKEN * n_max]
-        # The draft's tokens as the model writes them: the current line tokenized with its
-        # continuation, where that gives the line's own tokens back; else the continuation alone.
-        start, line_bytes = len(answer), b""
-        while start > first and b"\n" not in line_bytes:
-            start -= 1
-            line_bytes = tok.token_bytes(answer[start]) + line_bytes
-        if b"\n" in line_bytes:  # the line's first token holds the newline before it: from the next one
-            start += 1
-            line_bytes = line_bytes[len(tok.token_bytes(answer[start - 1])) :]
-        own = answer[start:]
-        whole = tok.encode(line_bytes.decode("utf-8", errors="replace") + rest, add_special=False, parse_special=False)
+        # The draft's tokens as the model writes them: the current line's own tokens (those after
+        # the last one holding a newline) tokenized with its continuation, where that gives them
+        # back; else the continuation alone.
+        own_from = max((i + 1 for i, b in enumerate(pieces) if b"\n" in b), default=0)
+        own = answer[first + own_from :]
+        line = b"".join(pieces[own_from:]).decode("utf-8", errors="replace")
+        whole = tok.encode(line + rest, add_special=False, parse_special=False)
         if tuple(whole[: len(own)]) == own:
             tokens = whole[len(own) :]
         else:
