@@ -43,12 +43,13 @@ def plain_tokens(model, name):
 PREFILLED = "free-quicksort-c"
 
 
-def add_from_prompt_rows(engine, model, name, hidden=None):
+def add_from_prompt_rows(engine, model, name, hidden=None, n_tokens=N_TOKENS):
     """Start the workload's sequence in `engine` from plain decoding's rows of its prompt (and,
-    for speculators on hidden states, `hidden`: the prompt's, as `Engine.adopt` takes them)."""
+    for speculators on hidden states, `hidden`: the prompt's, as `Engine.adopt` takes them), to
+    generate n_tokens."""
     plain_tokens(model, name)
     p = prompt(name)
-    seq = engine.add(p, N_TOKENS, cached=engine.adopt(p[:-1], ((0, len(p)),), _prompt_rows[name], hidden))
+    seq = engine.add(p, n_tokens, cached=engine.adopt(p[:-1], ((0, len(p)),), _prompt_rows[name], hidden))
     assert seq.n_reused == len(p) - 1
     return seq
 
@@ -91,11 +92,10 @@ def test_copy_edits_drafts_the_next_records_of_a_table():
     row copy-edits drafts the next rows, values from the prompt (speculant_edits.records), and the
     tokens are plain decoding's."""
     model = load_cached(TARGET)
-    p, n = prompt("extract-table"), 96
 
-    def generate(speculators):
+    def generate(speculators):  # from the prompt's rows, as the tests above (no prefill twice)
         engine = Engine(model, EngineConfig(n_ctx=2048, draft_n_max=16, adaptive=False), speculators)
-        seq = engine.add(p, n)
+        seq = add_from_prompt_rows(engine, model, "extract-table", n_tokens=96)
         while seq.finish_reason is None:
             engine.step()
         engine.release(seq)
