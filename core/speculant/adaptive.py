@@ -68,6 +68,13 @@ CHEAP_CALL = 0.02  # a call costing less than this share of a plain step is alwa
 # step's rate: near even, verifying is worth more than the step shows (a short draft accepted at
 # the start of a copy lets the next one be long; on a code edit a margin of 0.1 made 13 drops of 26).
 DROP_MARGIN = 0.05
+# A cheap speculator's draft is passed over for a later speculator of the chain (best_length's
+# `rival`) when that one's drafts are expected to emit this share more tokens a second. The chain's
+# order puts the lookups first (a long copy beats any head), but their one-token guesses then kept
+# the head behind them from drafting at all: on free-quicksort-c, AVX2 without AVX-VNNI, suffix's
+# guesses (40% right, a verification 1.42x a plain step) took the steps where the MTP head's (74%)
+# would have paid, and `copy-edits,suffix,mtp` ran 0.96x of `mtp` alone.
+RIVAL_MARGIN = 0.05
 # A cheap speculator's drafts of this many tokens or more are verified whole or not at all, never
 # cut: they come from long matches, whose tokens stand or fall together, and the acceptance by
 # position (independent tokens) cut them to a few tokens a step (served on a Zen 4 core, one run
@@ -543,11 +550,30 @@ class DraftLengthController:
         probe = self.catch_up.get(spec_type, 0.0) + 2 * (PROBE_LENGTH * self.draft_cost(spec_type) + extra_rows)
         return int(min(PROBE_EVERY_MAX, max(PROBE_EVERY, math.ceil(probe / (PROBE_BUDGET * t1)))))
 
-    def best_length(self, spec_type: str, n: int, seq_id: int = 0, confidence: tuple[float, ...] | None = None) -> int:
+    def rival_rate(self, spec_types: tuple[str, ...], n_max: int, seq_id: int = 0) -> float | None:
+        """The best expected rate (tokens a second, as `plan` would have them draft) among the
+        costly speculators named; None where there is none. A cheap one's worth shows only in its
+        draft, so it is no rival. One not measured yet is infinitely good: its first calls
+        measure it (best_length lets that take a guess's step, never a copy's)."""
+        best = None
+        for spec_type in spec_types:
+            if spec_type not in self.costs:
+                return math.inf
+            if self.cheap(spec_type):
+                continue
+            found = self._best(spec_type, n_max, self.draft_cost(spec_type), seq_id=seq_id)
+            if found is not None and (best is None or found[1] > best):
+                best = found[1]
+        return best
+
+    def best_length(self, spec_type: str, n: int, seq_id: int = 0, confidence: tuple[float, ...] | None = None,
+                    rival: float | None = None) -> int:
         """How many of the n drafted tokens are worth verifying. A costly speculator's draft: at
         least 1 (the decision to draft was `plan`'s, and the drafting is paid for). A cheap one's:
         all, a trim or a cut, or 0, by its length class (see the module's doc); 0: the step decodes
-        plainly."""
+        plainly, or, where `rival` (rival_rate of the speculators after it) beats its expected rate
+        by RIVAL_MARGIN, one of those drafts instead (an unmeasured rival takes only a guess's
+        step: one of fewer than CUT_BELOW tokens)."""
         if not self.enabled or n == 0:
             return n
         if not self.cheap(spec_type):
@@ -573,6 +599,8 @@ class DraftLengthController:
                 best_k, best_rate = cut
         else:
             best_k, best_rate = self._trim(n, share, best_rate)
+        if rival is not None and rival > best_rate * (1 + RIVAL_MARGIN) and (rival < math.inf or n < CUT_BELOW):
+            return 0
         return best_k if best_rate > (1 - DROP_MARGIN) / t1 else 0
 
     def _by_confidence(self, spec_type: str, n: int, confidence: tuple[float, ...]) -> int:

@@ -49,10 +49,14 @@ class Proposal:
     draft: Draft | None = None
     error: BaseException | None = None
     costs: list[tuple[str, float, int]] = attrs.field(factory=list)
+    passed: list[Draft] = attrs.field(factory=list)  # drafts the judge passed over, in chain order
 
 
 # plan(request, spec_type) -> the limits to ask that speculator with; n_max <= 0 skips it for the request.
 Plan = Callable[[DraftRequest, str], DraftLimits]
+# judge(request, draft, later) -> keep it (True) or pass it over for the speculators named in
+# `later` (the chain's next ones that may still draft for the request, never empty).
+Judge = Callable[[DraftRequest, Draft, tuple[str, ...]], bool]
 
 
 class SpeculatorFault(Exception):
@@ -447,15 +451,18 @@ class SpeculatorChain:
         self._call("begin", (seq.seq_id,), seq=seq)
 
     def propose_batch(self, requests: Sequence[DraftRequest], only: Sequence[tuple[str, ...] | None] | None = None,
-                      plan: Plan | None = None) -> list[Proposal]:
+                      plan: Plan | None = None, judge: Judge | None = None) -> list[Proposal]:
         """A Proposal per request. ``only[i]``: the spec types that may draft for request i (None:
         all). ``plan``, if given, picks the limits each speculator is asked with, per request
         (the engine's cost model: a costly draft model is not run when its draft would not pay).
+        ``judge``, if given, sees each draft that a later speculator could still replace: one it
+        does not keep goes to the Proposal's ``passed`` and the search goes on (the engine's: a
+        cheap lookup's one-token guess is worth less than the hidden-state head after it).
         A speculator quarantined on the way is skipped: the next one is asked for its sequences."""
         t_start = time.perf_counter()
         out = [Proposal() for _ in requests]
         pending = [i for i, r in enumerate(requests) if r.limits.n_max > 0]
-        for slot in self._slots:
+        for si, slot in enumerate(self._slots):
             if not pending:
                 break
             batched = "propose_batch" in slot.hooks
@@ -472,6 +479,7 @@ class SpeculatorChain:
             if not asked:
                 continue
             answered: set[int] = set()
+            keep = self._keeper(judge, si, requests, only)
             if batched:
                 t = time.perf_counter()
                 seq_ids = [requests[i].seq.seq_id for i, _ in asked]
@@ -494,7 +502,7 @@ class SpeculatorChain:
                 share = (time.perf_counter() - t) / len(asked)
                 for j, (i, lim) in enumerate(asked):
                     d = None if drafts is None else drafts[j]
-                    answered.update(self._record(out[i], name, share, d, lim, error, i))
+                    answered.update(self._record(out[i], name, share, d, lim, error, i, keep))
             else:  # one call per sequence, all in one hand-off
                 res = self._run(slot, "propose", [({"seq": requests[i].seq, "limits": lim}, (requests[i].seq.seq_id,))
                                                   for i, lim in asked])
@@ -507,15 +515,31 @@ class SpeculatorChain:
                         d, error = _checked(name, value), None
                     except BaseException as e:
                         d, error = None, self._error(e)
-                    answered.update(self._record(out[i], name, seconds, d, lim, error, i))
+                    answered.update(self._record(out[i], name, seconds, d, lim, error, i, keep))
             if answered:
                 pending = [i for i in pending if i not in answered]
         self.hook_seconds += time.perf_counter() - t_start
         return out
 
+    def _keeper(self, judge: Judge | None, si: int, requests: Sequence[DraftRequest],
+                only: Sequence[tuple[str, ...] | None] | None) -> Callable[[int, Draft], bool] | None:
+        """keep(i, draft) for the drafts of slot si: the judge's verdict where a later speculator
+        may still draft for request i, else True (no judge: None)."""
+        if judge is None:
+            return None
+        later = [s.name for s in self._slots[si + 1:]
+                 if not s.quarantined and ("propose" in s.hooks or "propose_batch" in s.hooks)]
+        if not later:
+            return None
+
+        def keep(i: int, draft: Draft) -> bool:
+            names = tuple(n for n in later if only is None or only[i] is None or n in only[i])
+            return not names or judge(requests[i], draft, names)
+        return keep
+
     @staticmethod
     def _record(p: Proposal, name: str, seconds: float, draft: Draft | None, limits: DraftLimits,
-                error: BaseException | None, i: int) -> tuple[int, ...]:
+                error: BaseException | None, i: int, keep: Callable[[int, Draft], bool] | None = None) -> tuple[int, ...]:
         """Note one speculator's answer for a request; returns (i,) when the search for it ends."""
         p.costs.append((name, seconds, 0 if draft is None else len(draft)))
         if error is not None:
@@ -524,7 +548,11 @@ class SpeculatorChain:
         if draft is None:
             return ()
         if len(draft):
-            p.draft = _trim(draft, limits.n_max)
+            draft = _trim(draft, limits.n_max)
+            if keep is not None and not keep(i, draft):  # passed over: the next speculators are asked
+                p.passed.append(draft)
+                return ()
+            p.draft = draft
         return (i,)
 
     def propose(self, seq: SequenceView, limits: DraftLimits, only: tuple[str, ...] | None = None) -> Draft | None:

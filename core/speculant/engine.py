@@ -741,7 +741,8 @@ class Engine:
         if not requests:
             return drafts
         only = [(seq.spec or _NO_OVERRIDE).types for seq in asking]
-        proposals = self.chain.propose_batch(requests, only, self._plan if self.controller.enabled else None)
+        enabled = self.controller.enabled
+        proposals = self.chain.propose_batch(requests, only, self._plan if enabled else None, self._judge if enabled else None)
         for seq, request, p in zip(asking, requests, proposals):
             for spec_type, seconds, n_tokens in p.costs:
                 seq.stats.draft_seconds += seconds
@@ -749,6 +750,9 @@ class Engine:
                 st.draft_seconds += seconds
                 st.produced += n_tokens
                 self.controller.observe_cost(spec_type, seconds, n_tokens, seq.seq_id)
+            for passed in p.passed:  # left unverified for a later speculator's: its class still learns from it
+                self._declined(seq, passed.spec_type)
+                self._shadows.setdefault(seq.seq_id, []).append(_Shadow(passed.spec_type, passed.tokens, passed.confidence))
             if p.error is not None:  # a speculator raised: this sequence goes on without speculation
                 seq.spec_error = f"{type(p.error).__name__}: {p.error}"
                 continue
@@ -778,6 +782,17 @@ class Engine:
                 draft = draft.prefix(keep)
             drafts[seq.seq_id] = draft
         return drafts
+
+    def _judge(self, request: DraftRequest, draft: Draft, later: tuple[str, ...]) -> bool:
+        """Keep a draft, or pass it over for the chain's `later` speculators? A cheap speculator's
+        is passed over where it would not be verified (best_length 0: before, the step then
+        decoded plainly, the speculators after it never asked) or where a later costly one is
+        expected to do better (rival_rate). A costly one's drafting is paid for: kept."""
+        c, seq_id = self.controller, request.seq.seq_id
+        if not c.cheap(draft.spec_type):
+            return True
+        rival = c.rival_rate(later, request.limits.n_max, seq_id)
+        return c.best_length(draft.spec_type, len(draft), seq_id, draft.confidence, rival=rival) > 0
 
     def _forced_drafts(self, seqs: list[Sequence]) -> dict[int, Draft]:
         """The grammar drafter: for each constrained sequence whose constraint forces tokens now,
