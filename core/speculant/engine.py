@@ -750,13 +750,18 @@ class Engine:
                 st.draft_seconds += seconds
                 st.produced += n_tokens
                 self.controller.observe_cost(spec_type, seconds, n_tokens, seq.seq_id)
+            draft = p.draft
+            if draft is None and p.error is None:  # the later speculators drafted nothing (a head unsure
+                # of its first token, or declined): a passed-over draft that pays on its own is verified
+                draft = next((d for d in p.passed
+                              if self.controller.best_length(d.spec_type, len(d), seq.seq_id, d.confidence) > 0), None)
             for passed in p.passed:  # left unverified for a later speculator's: its class still learns from it
-                self._declined(seq, passed.spec_type)
-                self._shadows.setdefault(seq.seq_id, []).append(_Shadow(passed.spec_type, passed.tokens, passed.confidence))
+                if passed is not draft:
+                    self._declined(seq, passed.spec_type)
+                    self._shadows.setdefault(seq.seq_id, []).append(_Shadow(passed.spec_type, passed.tokens, passed.confidence))
             if p.error is not None:  # a speculator raised: this sequence goes on without speculation
                 seq.spec_error = f"{type(p.error).__name__}: {p.error}"
                 continue
-            draft = p.draft
             if draft is None or len(draft) < max(1, request.limits.n_min):
                 continue
             bad = next((t for t in draft.tokens if not 0 <= t < self.n_vocab), None)
@@ -787,7 +792,8 @@ class Engine:
         """Keep a draft, or pass it over for the chain's `later` speculators? A cheap speculator's
         is passed over where it would not be verified (best_length 0: before, the step then
         decoded plainly, the speculators after it never asked) or where a later costly one is
-        expected to do better (rival_rate). A costly one's drafting is paid for: kept."""
+        expected to do better (rival_rate); if none of them drafts, it is verified after all where
+        it pays on its own (_propose_all). A costly one's drafting is paid for: kept."""
         c, seq_id = self.controller, request.seq.seq_id
         if not c.cheap(draft.spec_type):
             return True
