@@ -97,6 +97,8 @@ def main() -> int:
     p.add_argument("--server", action="append", required=True, help="'LABEL PORT COMMAND...', once per server")
     p.add_argument("--out", required=True, help="append a JSON line per server and round here")
     args = p.parse_args()
+    if os.path.isdir(args.out):  # found at the first round's end, a whole round of servers in (a sitting's first start)
+        raise SystemExit(f"--out {args.out}: a directory; name the JSON lines file")
     servers = [parse_server(s) for s in args.server]
     if len({label for label, _, _ in servers}) < len(servers) or len({port for _, port, _ in servers}) < len(servers):
         raise SystemExit("each --server needs its own label and port")

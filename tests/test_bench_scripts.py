@@ -75,6 +75,15 @@ def test_each_request_goes_to_every_server_in_turn_their_order_rotating(tmp_path
     assert all([s["workload"] for s in r["single"]] == ["edit", "table"] for r in lines)
 
 
+def test_an_out_path_that_is_a_directory_is_refused_before_any_server_starts(tmp_path):
+    (tmp_path / "started").mkdir()
+    r = subprocess.run([sys.executable, str(SCRIPTS / "bench_interleaved.py"), "--specbench", "x.py", "--workloads", "w.json",
+                        "--server", f"a 1 touch {tmp_path / 'started' / 'a'}", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "a directory" in r.stderr
+    assert not any((tmp_path / "started").iterdir())
+
+
 def test_ratios_are_taken_within_a_round_and_one_configuration_is_best_by_its_median(tmp_path, capsys, monkeypatch):
     speeds = {  # label -> decode tok/s in rounds 1, 2, 3
         "llama-avx2-plain": (20, 10, 20), "llama-avx2-ngram-map-k": (25, 12, 25),

@@ -112,7 +112,12 @@ class SpeculatorSpec:
         nothing to propose for that sequence, so the next speculator of the chain is asked for
         it. Chain semantics are per sequence, as with ``propose``: each sequence gets the first
         non-empty draft in chain order; an empty Draft answers for the sequence with no draft
-        (the rest of the chain is not asked for it). A speculator is never asked for a sequence
+        (the rest of the chain is not asked for it). With the adaptive controller on, the engine
+        may pass a cheap speculator's draft over for the speculators after it: where the draft
+        would not be verified, or where a costly one after it (a hidden-state head) is expected to
+        emit more tokens a second. If none of those drafts, it is verified where it pays on its
+        own; else it is compared with what the sequence emits, so its kind of draft is still
+        judged on its record. A speculator is never asked for a sequence
         whose request restricts the spec types (a server request's ``speculative.type``) to
         others. Returning None instead of a list means nothing for any request.
 
