@@ -34,6 +34,7 @@ MAX_END = 8  # characters of prompt text after a value that end it
 MAX_VALUE = 256  # a value runs no longer than this (else its end was not found where it should be)
 MAX_STARTS = 256  # occurrences of a first value tried when placing a record's values
 RECORD_CHARS_PER_TOKEN = 8  # the record text written for a draft of n tokens: 8n characters, enough
+MAX_AHEAD_TOKENS = 64  # records written for at most this many tokens a draft
 MAX_RECORD_LINES = 4  # records of up to this many lines (a YAML item, a small object)
 LEARNED_KEPT = 64  # templates kept per sequence (a record's lines are tried at every step)
 
@@ -270,11 +271,13 @@ class RecordLines:
             self._learned[key] = Template.learn(before, last, self.prompt_text)
         return self._learned[key]
 
-    def ahead(self, lines: list[str], complete_first: bool) -> tuple[str, str] | None:
+    def ahead(self, lines: list[str], complete_first: bool,
+              n_chars: int = RECORD_CHARS_PER_TOKEN * MAX_AHEAD_TOKENS) -> tuple[str, str] | None:
         """(the current record written so far, the text from its start that the template of the
-        last two records writes), trying records of 1 to MAX_RECORD_LINES lines and each line of
-        the current record as the place reached in it: the first template the current record so
-        far follows. `lines`: the answer's last lines, the last one unfinished."""
+        last two records writes, n_chars past it or more), trying records of 1 to MAX_RECORD_LINES
+        lines and each line of the current record as the place reached in it: the first template
+        the current record so far follows. `lines`: the answer's last lines, the last one
+        unfinished."""
         n = len(lines) - 1  # complete lines
         usable = n if complete_first else n - 1  # a first line cut by the tail is not one
         for k in range(1, MAX_RECORD_LINES + 1):
@@ -286,7 +289,7 @@ class RecordLines:
                 if t is None:
                     continue
                 current = "\n".join(lines[cut:])
-                text = t.text(self.prompt_text, RECORD_CHARS_PER_TOKEN * 64 + len(current))
+                text = t.text(self.prompt_text, n_chars + len(current))
                 if len(text) > len(current) and text.startswith(current):
                     return current, text
         return None
@@ -305,7 +308,8 @@ class RecordLines:
         text = b"".join(pieces).decode("utf-8", errors="replace")
         if "\ufffd" in text or "\n" not in text:
             return None
-        found = self.ahead(text.split("\n"), complete_first=first == 0)
+        n_chars = RECORD_CHARS_PER_TOKEN * min(n_max, MAX_AHEAD_TOKENS)  # not records past what the draft takes
+        found = self.ahead(text.split("\n"), complete_first=first == 0, n_chars=n_chars)
         if found is None:
             return None
         current, ahead = found
